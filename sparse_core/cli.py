@@ -1,0 +1,142 @@
+"""`kvsparse` command line: `kvsparse generate PROMPT ...` (more subcommands join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from sparse_core.config import POLICIES, POOLINGS, EngineConfig, SparsityConfig
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine and sparsity flags, named as vLLM names them where vLLM has them."""
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--model", default="smollm2-135m-instruct",
+                        help="built-in alias, HF directory, .gguf file or dummy:<preset>")
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-model-len", type=int, default=8192)
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    engine.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+    engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    engine.add_argument("--seed", type=int, default=0)
+    sparse = parser.add_argument_group("sparsity")
+    sparse.add_argument("--policy", default="snapkv", choices=POLICIES)
+    sparse.add_argument("--budget", type=int, default=512)
+    sparse.add_argument("--window", type=int, default=32)
+    sparse.add_argument("--sinks", type=int, default=4)
+    sparse.add_argument("--full-layers", default="3",
+                        help="first N layers, a comma-separated list of indices, or 'auto'")
+    sparse.add_argument("--pooling", default="avg", choices=POOLINGS)
+    sparse.add_argument("--kernel-size", type=int, default=7)
+
+
+def parse_full_layers(text: str) -> int | list[int] | str:
+    if text == "auto":
+        return "auto"
+    try:
+        if "," in text or text.startswith("["):
+            return [int(x) for x in text.strip("[]").split(",") if x.strip()]
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"--full-layers must be a number, a comma-separated list or 'auto', got {text!r}"
+        ) from None
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityConfig]:
+    engine = EngineConfig(
+        model=args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    sparsity = SparsityConfig(
+        policy=args.policy,
+        budget=args.budget,
+        window=args.window,
+        sinks=args.sinks,
+        full_layers=parse_full_layers(args.full_layers),
+        pooling=args.pooling,
+        kernel_size=args.kernel_size,
+    )
+    return engine, sparsity
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from sparse_core.engine.llm_engine import LLMEngine
+    from sparse_core.engine.sampling_params import SamplingParams
+
+    engine_config, sparsity = configs_from_args(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    start = time.monotonic()
+    engine = LLMEngine(engine_config, sparsity)
+    print(f"[loaded {engine.model_config.name} in {time.monotonic() - start:.1f}s]", file=sys.stderr)
+    prompt = args.prompt
+    if not args.raw and engine.tokenizer.has_chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    seq = engine.make_sequence("cli-0", prompt, params)
+    engine.add_sequence(seq)
+    printed = 0
+    start = time.monotonic()
+    while engine.has_unfinished:
+        for out in engine.step():
+            sys.stdout.write(out.text[printed:])
+            sys.stdout.flush()
+            printed = len(out.text)
+            final = out
+    elapsed = time.monotonic() - start
+    print()
+    summary = {
+        "prompt_tokens": len(final.prompt_token_ids),
+        "completion_tokens": len(final.token_ids),
+        "finish_reason": final.finish_reason,
+        "kv_tokens_per_group": final.kv_tokens_per_group,
+        "compression_ratio": round(final.compression_ratio, 2),
+        "seconds": round(elapsed, 2),
+    }
+    print(json.dumps(summary), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsparse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        parser.exit(2, f"kvsparse: error: {exc}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

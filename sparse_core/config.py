@@ -1,0 +1,135 @@
+"""User-facing configuration: sparsity policy and engine limits (vLLM vocabulary where it exists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("dense", "snapkv", "pyramid", "streamingllm", "random")
+POOLINGS = ("avg", "max", "none")
+GQA_REDUCTIONS = ("mean", "max")
+
+
+@dataclass
+class SparsityConfig:
+    """Which prompt tokens each layer keeps after prefill (DESIGN.md §3).
+
+    policy:       dense | snapkv | pyramid | streamingllm | random
+    budget:       tokens kept per KV head in a sparse layer (pyramid: the mean over sparse layers)
+    window:       observation window: the last `window` prompt tokens score the rest and are kept
+    sinks:        the first `sinks` tokens are always kept (attention sinks)
+    full_layers:  layers kept whole: the first N (int), an explicit list of indices, or "auto"
+                  (the calibrated set stored for the model)
+    pooling:      smoothing of scores over neighbouring tokens: avg | max | none
+    kernel_size:  pooling width (odd)
+    gqa_reduce:   how the query heads sharing a KV head combine their scores: mean | max
+    pyramid_tiers: pyramid budgets are quantised into this many tiers (one KV pool per tier)
+    seed:         seed of the `random` policy
+    """
+
+    policy: str = "dense"
+    budget: int = 512
+    window: int = 32
+    sinks: int = 4
+    full_layers: int | list[int] | str = 3
+    pooling: str = "avg"
+    kernel_size: int = 7
+    gqa_reduce: str = "mean"
+    pyramid_tiers: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown sparsity policy {self.policy!r}; expected one of {POLICIES}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"unknown pooling {self.pooling!r}; expected one of {POOLINGS}")
+        if self.gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(
+                f"unknown gqa_reduce {self.gqa_reduce!r}; expected one of {GQA_REDUCTIONS}"
+            )
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be a positive odd number, got {self.kernel_size}")
+        if self.window < 1:
+            raise ValueError(f"window must be at least 1, got {self.window}")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.pyramid_tiers < 1:
+            raise ValueError(f"pyramid_tiers must be at least 1, got {self.pyramid_tiers}")
+        if self.policy != "dense" and self.budget <= self.window + self.sinks:
+            raise ValueError(
+                f"budget ({self.budget}) must be greater than window ({self.window}) + sinks "
+                f"({self.sinks}): the budget holds the window, the sinks and the selected tokens"
+            )
+        fl = self.full_layers
+        if isinstance(fl, str):
+            if fl != "auto":
+                raise ValueError(f"full_layers must be an int, a list of ints or 'auto', got {fl!r}")
+        elif isinstance(fl, bool) or not isinstance(fl, int | list | tuple):
+            raise ValueError(f"full_layers must be an int, a list of ints or 'auto', got {fl!r}")
+        elif isinstance(fl, int):
+            if fl < 0:
+                raise ValueError(f"full_layers must be >= 0, got {fl}")
+        else:
+            self.full_layers = list(fl)
+            if len(set(self.full_layers)) != len(self.full_layers):
+                raise ValueError(f"full_layers has duplicate layer indices: {self.full_layers}")
+            if any(not isinstance(i, int) or i < 0 for i in self.full_layers):
+                raise ValueError(f"full_layers indices must be ints >= 0: {self.full_layers}")
+
+    @property
+    def compresses(self) -> bool:
+        return self.policy != "dense"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SparsityConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown sparsity option(s) {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the sparsity policy.
+
+    kv_cache_memory_gb: bytes of KV cache in total (all layer groups); None = derived from
+      `gpu_memory_utilization` on a GPU, or 2 GB on CPU.
+    expected_input_len / expected_output_len: the typical request, used to split KV memory
+      between layer groups so that every group runs out at the same number of sequences.
+    max_num_batched_tokens: tokens per prefill step; prompts are prefilled whole, so it is at
+      least max_model_len.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    expected_input_len: int = 4000
+    expected_output_len: int = 500
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    enforce_eager: bool = False
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(self.max_model_len, 8192)
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}): prompts are prefilled in one step"
+            )
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )

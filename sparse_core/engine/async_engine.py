@@ -1,0 +1,129 @@
+"""`AsyncLLM`: the engine stepping on a background thread, with asyncio streams per request.
+
+All engine state is touched only by the engine thread: requests and aborts reach it through a
+queue, outputs come back to the caller's event loop with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.llm_engine import EngineStats, LLMEngine
+from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.engine.sequence import Sequence
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stats = engine.stats()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvsparse-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, sparsity: SparsityConfig) -> AsyncLLM:
+        return cls(LLMEngine(config, sparsity))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Counts as of the last step (read without touching the engine thread's state)."""
+        return self._stats
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's output after every step until it finishes.
+
+        Validation errors raise ValueError before anything is queued. If the consumer stops
+        iterating (a client disconnected), the request is aborted and its blocks freed.
+        """
+        request_id = request_id or f"req-{next(self._ids)}"
+        seq = self.engine.make_sequence(request_id, prompt, params)
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", seq))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopped.is_set():
+            # Block for work when idle; otherwise drain commands without waiting.
+            self._handle(self._commands.get() if not engine.has_unfinished else None)
+            while True:
+                try:
+                    self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            if not engine.has_unfinished:
+                self._stats = engine.stats()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                for request_id in list(engine.sequences):
+                    engine.abort(request_id)
+                    self._publish_error(request_id, exc)
+                outputs = []
+            self._stats = engine.stats()
+            for out in outputs:
+                self._publish(out.request_id, out)
+
+    def _handle(self, command: tuple[str, Any] | None) -> None:
+        if command is None:
+            return
+        kind, arg = command
+        if kind == "add":
+            seq: Sequence = arg
+            if seq.request_id in self._streams:
+                self.engine.add_sequence(seq)
+        elif kind == "abort":
+            out = self.engine.abort(arg)
+            if out is not None:
+                self._publish(arg, out)
+
+    def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _publish_error(self, request_id: str, exc: BaseException) -> None:
+        self._publish(request_id, RuntimeError(f"engine step failed: {exc}"))

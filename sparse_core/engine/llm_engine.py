@@ -1,0 +1,205 @@
+"""The synchronous engine: requests in, one `step()` at a time, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from sparse_core.cache.block_manager import BlockManager
+from sparse_core.cache.memory import split_kv_memory
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.detokenizer import IncrementalDetokenizer
+from sparse_core.engine.model_runner import ModelRunner
+from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.engine.scheduler import Scheduler
+from sparse_core.engine.sequence import Sequence
+from sparse_core.models.loader import load_model_source
+from sparse_core.policy import plan_layers
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_GB = 2.0
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_blocks: dict[str, dict[str, int]]  # group -> {"total", "used", "free"}
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
+        self.config = config
+        self.sparsity = sparsity
+        source = load_model_source(config.model, config.hf_overrides)
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.plan = plan_layers(sparsity, source.config.num_hidden_layers, source.config.name)
+        self.runner = ModelRunner(config, sparsity, source, self.plan)
+        blocks = split_kv_memory(
+            self.plan,
+            self._kv_cache_bytes(),
+            self.runner.bytes_per_token_per_layer(),
+            config.block_size,
+            config.expected_input_len,
+            config.expected_output_len,
+        )
+        self.runner.allocate_kv_cache(blocks)
+        self.block_manager = BlockManager(self.plan, blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sequences: dict[str, Sequence] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        logger.info(
+            "engine ready: model %s on %s (%s), groups %s",
+            source.config.name,
+            self.runner.device,
+            self.runner.dtype,
+            {g.name: (len(g.layers), n) for g, n in zip(self.plan.groups, blocks, strict=True)},
+        )
+
+    def _kv_cache_bytes(self) -> int:
+        gb = self.config.kv_cache_memory_gb
+        if gb is None:
+            if self.runner.device.type != "cuda":
+                gb = CPU_DEFAULT_KV_CACHE_GB
+            else:
+                raise ValueError("kv_cache_memory_gb must be set on CUDA devices for now")
+        return int(gb * 2**30)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
+        """Validate and tokenise a request; raises ValueError naming the problem."""
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
+                f"room for at least one generated token"
+            )
+        seq = Sequence(request_id, token_ids, params, len(self.plan.groups), prompt=text)
+        reason = self.block_manager.why_never_fits(seq)
+        if reason is not None:
+            raise ValueError(reason)
+        return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        self.sequences[seq.request_id] = seq
+        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.scheduler.add(seq)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> None:
+        self.add_sequence(self.make_sequence(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks at once; None if it is unknown or already done."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one prefill or decode step; returns the outputs of every sequence in it."""
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        tokens = self.runner.run(seqs, is_prefill)
+        now = time.monotonic()
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.output_token_ids.append(token)
+            reason = self._append_text(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                outputs.append(self._release(seq))
+            else:
+                outputs.append(self._output(seq))
+        return outputs
+
+    def _append_text(self, seq: Sequence, token: int) -> str | None:
+        """Extend the text with the new token; the finish reason if the sequence is done."""
+        params = seq.params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            return "stop"
+        new_text = self._detokenizers[seq.request_id].append(token)
+        if new_text:
+            seq.text += new_text
+            for stop in params.stop:
+                # A stop string can only start inside the last len(new_text) + len(stop) chars.
+                at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop)))
+                if at != -1:
+                    seq.text = seq.text[:at]
+                    return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, seq: Sequence) -> RequestOutput:
+        output = self._output(seq)
+        output.finish_time = time.monotonic()
+        del self.sequences[seq.request_id]
+        del self._detokenizers[seq.request_id]
+        return output
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        kept = dict(zip((g.name for g in self.plan.groups), seq.prompt_kv_lens, strict=False))
+        kept_token_layers = sum(
+            len(g.layers) * n for g, n in zip(self.plan.groups, seq.prompt_kv_lens, strict=False)
+        )
+        prompt_token_layers = len(seq.prompt_token_ids) * self.model_config.num_hidden_layers
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            kv_tokens_per_group=kept,
+            compression_ratio=prompt_token_layers / kept_token_layers if kept_token_layers else 1.0,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+        )
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks=self.block_manager.usage(),
+        )
+
+    def check_invariants(self) -> None:
+        """No block leaked or owned twice in any pool (used by tests)."""
+        live = self.scheduler.running
+        self.block_manager.check_invariants(live)

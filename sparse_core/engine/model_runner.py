@@ -1,0 +1,171 @@
+"""Owns the model and the KV caches; turns a scheduled batch into tensors, runs it, samples."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.sampler import sample
+from sparse_core.engine.sequence import Sequence
+from sparse_core.kernels import get_ops
+from sparse_core.models.attention import CompressJob, GroupStepMetadata, StepMetadata
+from sparse_core.models.llama import LlamaForCausalLM
+from sparse_core.models.loader import ModelSource
+from sparse_core.policy import LayerPlan
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name is None:
+        # CPU matmuls in bf16 are slow and lose the exact match with reference outputs.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sparsity: SparsityConfig,
+        source: ModelSource,
+        plan: LayerPlan,
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        model_config = source.config
+        if config.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({model_config.max_position_embeddings})"
+            )
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            self.model = LlamaForCausalLM(
+                model_config, plan, sparsity, get_ops(self.device), config.max_model_len
+            )
+        self.model.to(self.dtype)
+        # RoPE tables stay float32 whatever the model dtype.
+        for layer in self.model.model.layers:
+            layer.self_attn.rotary.float()
+        if source.weights is not None:
+            self.model.load_weights(source.weights)
+        else:
+            _init_random_weights(self.model)
+        self.model.eval()
+        self.generator = torch.Generator().manual_seed(config.seed)
+        random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
+        for attn in self.model.attention_layers:
+            attn.generator = random_policy_generator
+
+    def bytes_per_token_per_layer(self) -> int:
+        cfg = self.model.config
+        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, blocks_per_group: list[int]) -> None:
+        cfg = self.model.config
+        attns = self.model.attention_layers
+        for group, num_blocks in zip(self.plan.groups, blocks_per_group, strict=True):
+            shape = (
+                2,
+                len(group.layers),
+                num_blocks,
+                self.block_size,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+            )
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for i, layer in enumerate(group.layers):
+                attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        if is_prefill:
+            input_ids, positions, meta, last = self._prepare_prefill(seqs)
+        else:
+            input_ids, positions, meta = self._prepare_decode(seqs)
+            last = None
+        hidden = self.model(input_ids, positions, meta)
+        if last is not None:
+            hidden = hidden[last]
+        return sample(self.model.compute_logits(hidden), seqs, self.generator)
+
+    def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
+        table, bs = seq.block_tables[group], self.block_size
+        return [table[i // bs] * bs + i % bs for i in range(count)]
+
+    def _prepare_prefill(self, seqs: list[Sequence]):
+        """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step.
+
+        In a group that keeps fewer tokens than the sequence has, its tokens get slot -1 and a
+        CompressJob instead: only the kept tokens ever reach that group's pool.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens = [0]
+        groups = [GroupStepMetadata(slot_mapping=torch.empty(0)) for _ in self.plan.groups]
+        slot_mappings: list[list[int]] = [[] for _ in self.plan.groups]
+        for seq in seqs:
+            start, n = len(input_ids), len(seq)
+            input_ids += seq.token_ids
+            positions += range(n)
+            cu_seqlens.append(start + n)
+            for g, kept in enumerate(seq.kv_lens):
+                slots = self._slots(seq, g, kept)
+                if kept == n:
+                    slot_mappings[g] += slots
+                else:
+                    slot_mappings[g] += [-1] * n
+                    groups[g].compress.append(
+                        CompressJob(start, start + n, self._tensor(slots))
+                    )
+        for g, group in enumerate(groups):
+            group.slot_mapping = self._tensor(slot_mappings[g])
+        meta = StepMetadata(is_prefill=True, groups=groups, cu_seqlens=self._tensor(cu_seqlens))
+        last = self._tensor([end - 1 for end in cu_seqlens[1:]])
+        return self._tensor(input_ids), self._tensor(positions), meta, last
+
+    def _prepare_decode(self, seqs: list[Sequence]):
+        input_ids = [seq.token_ids[-1] for seq in seqs]
+        positions = [len(seq) - 1 for seq in seqs]
+        groups = []
+        for g in range(len(self.plan.groups)):
+            tables = [seq.block_tables[g] for seq in seqs]
+            width = max(len(t) for t in tables)
+            groups.append(
+                GroupStepMetadata(
+                    slot_mapping=self._tensor([seq.decode_slots[g] for seq in seqs]),
+                    block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                    context_lens=self._tensor([seq.kv_lens[g] for seq in seqs]),
+                )
+            )
+        meta = StepMetadata(is_prefill=False, groups=groups)
+        return self._tensor(input_ids), self._tensor(positions), meta
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+def _init_random_weights(model: torch.nn.Module) -> None:
+    """Random weights of the right shape (the `dummy` load format): norms at one, the rest small
+    so activations stay finite through many layers."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)

@@ -1,0 +1,28 @@
+"""What the engine returns for a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step (streaming) or at the end.
+
+    `kv_tokens_per_group` maps each layer group to the tokens per layer its cache kept from the
+    prompt; `compression_ratio` is prompt token-layers over kept token-layers (1.0 when dense).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    kv_tokens_per_group: dict[str, int] = field(default_factory=dict)
+    compression_ratio: float = 1.0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None

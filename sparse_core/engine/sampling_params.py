@@ -1,0 +1,39 @@
+"""Per-request generation settings, in vLLM's vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 is greedy; `stop` strings are cut from the returned text, as OpenAI does."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,60 @@
+"""A request inside the engine: its tokens, its blocks in every layer group, its state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sparse_core.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_groups: int
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # Per layer group: the blocks holding this sequence's KV and how many tokens they hold.
+    block_tables: list[list[int]] = field(default_factory=list)
+    kv_lens: list[int] = field(default_factory=list)
+    # Per layer group: tokens kept right after the prompt was prefilled (its compression).
+    prompt_kv_lens: list[int] = field(default_factory=list)
+    decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    text: str = ""  # detokenised output, stop strings removed
+
+    def __post_init__(self) -> None:
+        self.reset_cache_state()
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def reset_cache_state(self) -> None:
+        self.block_tables = [[] for _ in range(self.num_groups)]
+        self.kv_lens = [0] * self.num_groups
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

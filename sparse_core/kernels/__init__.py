@@ -1,0 +1,50 @@
+"""Kernel sets: plain torch (CPU path and test oracle) and, on CUDA, Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sparse_core.kernels import reference
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels the engine calls; each has the signature of its `reference` twin.
+
+    `prefill_attention` returns (out, lse) where lse may be None: the caller then computes the
+    window LSE with `window_lse` (the CPU path uses torch's fused SDPA, which emits no LSE).
+    """
+
+    name: str
+    prefill_attention: Callable
+    window_lse: Callable
+    window_scores: Callable
+    pool_scores: Callable
+    select_top_tokens: Callable
+    gather_tokens: Callable
+    store_kv: Callable
+    paged_decode_attention: Callable
+
+
+def _sdpa_prefill(q, k, v, cu_seqlens, scale):
+    return reference.causal_attention(q, k, v, cu_seqlens, scale), None
+
+
+REFERENCE_OPS = KernelOps(
+    name="torch",
+    prefill_attention=_sdpa_prefill,
+    window_lse=reference.window_lse,
+    window_scores=reference.window_scores,
+    pool_scores=reference.pool_scores,
+    select_top_tokens=reference.select_top_tokens,
+    gather_tokens=reference.gather_tokens,
+    store_kv=reference.store_kv,
+    paged_decode_attention=reference.paged_decode_attention,
+)
+
+
+def get_ops(device: torch.device) -> KernelOps:
+    return REFERENCE_OPS

@@ -1,0 +1,183 @@
+"""Plain-torch kernels: the CPU path of the engine and the oracle for the Triton kernels.
+
+Layouts (T = tokens in a step, Hq / Hkv = query / KV heads, D = head dim):
+- varlen prefill tensors are packed: q [T, Hq, D], k and v [T, Hkv, D], with `cu_seqlens`
+  (int32, [num_seqs + 1]) giving each sequence's start offset;
+- a paged cache is [num_blocks, block_size, Hkv, D]; a slot is `block * block_size + offset`;
+- LSE is the natural-log log-sum-exp of a query row's scaled logits, float32 [Hq, T].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
+
+    Materialises each sequence's logits: use it as an oracle and for short sequences.
+    """
+    num_q, num_kv = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    lse = torch.empty(num_q, q.shape[0], dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
+        ks = k[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
+        vs = v[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
+        logits = torch.matmul(qs, ks.transpose(1, 2)) * scale
+        n = end - start
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        logits = logits.masked_fill(~causal, float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
+        probs = torch.exp(logits - row_lse.unsqueeze(-1))
+        out[start:end] = torch.matmul(probs, vs).transpose(0, 1).to(q.dtype)
+        lse[:, start:end] = row_lse
+    return out, lse
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention within each packed sequence without LSE, through torch's fused SDPA.
+
+    The fast CPU path: memory stays linear in the sequence length.
+    """
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def window_lse(q_win: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """LSE [Hq, w] of the last w queries of one sequence (q_win [w, Hq, D], k [n, Hkv, D]).
+
+    Used where the attention kernel did not emit LSE (the CPU SDPA path); costs w·n.
+    """
+    w, n = q_win.shape[0], k.shape[0]
+    logits = _window_logits(q_win, k, scale)  # [Hq, w, n]
+    q_pos = torch.arange(n - w, n, device=k.device).unsqueeze(1)
+    visible = torch.arange(n, device=k.device).unsqueeze(0) <= q_pos
+    return torch.logsumexp(logits.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def window_scores(
+    q_win: torch.Tensor,
+    k: torch.Tensor,
+    lse_win: torch.Tensor,
+    scale: float,
+    gqa_reduce: str = "mean",
+) -> torch.Tensor:
+    """Attention that prompt keys [0, n - w) receive from the w window queries, per KV head.
+
+    q_win [w, Hq, D] are the last w queries of one sequence of n tokens, k [n, Hkv, D] its keys,
+    lse_win [Hq, w] the window rows' LSE. Every window query sees every scored key, so no mask.
+    S[h, i] = reduce_{qh in group(h)} sum_q exp(q·k_i·scale − LSE[qh, q]); returns float32 [Hkv, n − w].
+    """
+    w, num_q = q_win.shape[0], q_win.shape[1]
+    num_kv = k.shape[1]
+    n = k.shape[0]
+    logits = _window_logits(q_win, k[: n - w], scale)  # [Hq, w, n - w]
+    per_query_head = torch.exp(logits - lse_win.float().unsqueeze(-1)).sum(dim=1)  # [Hq, n - w]
+    grouped = per_query_head.view(num_kv, num_q // num_kv, n - w)
+    if gqa_reduce == "mean":
+        return grouped.mean(dim=1)
+    if gqa_reduce == "max":
+        return grouped.amax(dim=1)
+    raise ValueError(f"unknown gqa_reduce {gqa_reduce!r}; expected 'mean' or 'max'")
+
+
+def _window_logits(q_win: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    num_q, num_kv = q_win.shape[1], k.shape[1]
+    qs = q_win.float().transpose(0, 1)  # [Hq, w, D]
+    ks = k.float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)  # [Hq, n, D]
+    return torch.matmul(qs, ks.transpose(1, 2)) * scale
+
+
+def pool_scores(scores: torch.Tensor, pooling: str, kernel_size: int) -> torch.Tensor:
+    """Smooth scores [Hkv, m] over neighbouring tokens (odd kernel, same length out)."""
+    if pooling == "none" or kernel_size <= 1:
+        return scores
+    x = scores.unsqueeze(0)
+    pad = kernel_size // 2
+    if pooling == "avg":
+        # count_include_pad=False so the edges are averaged over real tokens only.
+        return F.avg_pool1d(x, kernel_size, stride=1, padding=pad, count_include_pad=False)[0]
+    if pooling == "max":
+        return F.max_pool1d(x, kernel_size, stride=1, padding=pad)[0]
+    raise ValueError(f"unknown pooling {pooling!r}; expected 'avg', 'max' or 'none'")
+
+
+def select_top_tokens(
+    pooled: torch.Tensor, n: int, budget: int, window: int, sinks: int
+) -> torch.Tensor:
+    """Kept token indices per KV head, int64 [Hkv, budget], ascending.
+
+    pooled [Hkv, n − window] scores the non-window tokens; the first `sinks` tokens and the last
+    `window` tokens are always kept; the rest of the budget goes to the highest-scoring tokens.
+    """
+    num_kv = pooled.shape[0]
+    device = pooled.device
+    num_top = budget - window - sinks
+    middle = pooled[:, sinks : n - window]
+    top = torch.topk(middle, num_top, dim=-1).indices + sinks
+    forced = torch.cat([torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)])
+    kept = torch.cat([forced.unsqueeze(0).expand(num_kv, -1), top], dim=-1)
+    return kept.sort(dim=-1).values
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [n, Hkv, D], indices [Hkv, B] -> [B, Hkv, D] with out[j, h] = x[indices[h, j], h]."""
+    idx = indices.t().unsqueeze(-1).expand(-1, -1, x.shape[-1])
+    return torch.gather(x, 0, idx)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at `slot_mapping` [T]; slot -1 = skip."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
+
+    block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the cache, including
+    the one written this step).
+    """
+    batch, num_q, head_dim = q.shape
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long()
+    # [B, num_blocks * block_size, Hkv, D]: each sequence's context, padded to max_len.
+    keys = k_cache[tables].flatten(1, 2)[:, :max_len]
+    values = v_cache[tables].flatten(1, 2)[:, :max_len]
+    group = num_q // num_kv
+    qs = q.float().view(batch, num_kv, group, head_dim)
+    logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float()) * scale
+    valid = torch.arange(max_len, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).long()
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(batch, num_q, head_dim).to(q.dtype)

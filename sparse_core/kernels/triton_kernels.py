@@ -1,0 +1,690 @@
+"""Triton GPU kernels with the signatures and semantics of `reference.py` (the oracle).
+
+Layouts are the reference's: packed varlen q [T, Hq, D] and k, v [T, Hkv, D] with `cu_seqlens`;
+paged caches [num_blocks, block_size, Hkv, D], slot = block * block_size + offset; LSE float32
+[Hq, T] in natural log. Inputs may be fp32, bf16 or fp16; every kernel accumulates in fp32. The head
+dim must be a power of two in [16, 256] (64 and 128 are the tuned cases).
+
+Softmax runs in base 2 (`exp2` is one instruction, `exp` is not): logits are pre-multiplied by
+scale·log2(e) and LSE is converted back to natural log on store.
+
+The kernels run on CUDA tensors, or on CPU tensors under the Triton interpreter
+(TRITON_INTERPRET=1 set before this module is imported; see `triton_interpreter.py`), which the
+tests use; the interpreter gets small tiles so that tiny test shapes still cross tile boundaries. Off the GPU the engine should use
+`reference.py`, which is much faster than the interpreter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+if triton.knobs.runtime.interpret:
+    from .triton_interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+
+
+def _launch_options(x: torch.Tensor, num_warps: int, num_stages: int) -> dict[str, int]:
+    """Warps and pipeline stages for a GPU launch; the interpreter takes none."""
+    return {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared pieces of the two attention kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v):
+    """Fold one tile of base-2 logits s [M, N] and its values v [N, D] into the running state.
+
+    m_i is the running row max, l_i the running sum of exp2(s - m_i), acc the unnormalised output.
+    The caller guarantees every row of s has at least one finite entry (no -inf - -inf NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l_i
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Varlen causal prefill attention with LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_key_tiles(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    rows,
+    lo,
+    hi,
+    scale_log2,
+    CAUSAL_MASK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Attend the query tile to keys [lo, hi); mask (causal and key < hi) only where asked."""
+    dims = tl.arange(0, HEAD_DIM)
+    for key_start in range(lo, hi, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        k_ptrs = k_base + keys[:, None] * stride_kt + dims[None, :]
+        v_ptrs = v_base + keys[:, None] * stride_vt + dims[None, :]
+        if CAUSAL_MASK:
+            key_ok = keys < hi
+            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if CAUSAL_MASK:
+            visible = (keys[None, :] <= rows[:, None]) & key_ok[None, :]
+            s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    lse_ptr,
+    cu_seqlens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # Heaviest tiles (furthest down the diagonal) are launched first so the tail of the grid is
+    # made of short programs.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    start = tl.load(cu_seqlens_ptr + seq)
+    n = tl.load(cu_seqlens_ptr + seq + 1) - start
+    m_start = m_block * BLOCK_M
+    if m_start >= n:
+        return
+
+    rows = m_start + tl.arange(0, BLOCK_M)
+    row_ok = rows < n
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + (start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_base = k_ptr + start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + start * stride_vt + kv_head * stride_vh
+
+    # Keys left of this tile's diagonal block are visible to every row: no mask. BLOCK_M is a
+    # multiple of BLOCK_N, so these tiles end exactly at m_start.
+    acc, m_i, l_i = _prefill_key_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 0, m_start, scale_log2,
+        CAUSAL_MASK=False, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    # The diagonal block: causal mask; key tiles beyond the diagonal are never visited. Every row,
+    # padded ones included, sees key m_start, so no row is all -inf.
+    acc, m_i, l_i = _prefill_key_tiles(
+        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, m_start,
+        tl.minimum(m_start + BLOCK_M, n), scale_log2,
+        CAUSAL_MASK=True, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + (start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base-2 LSE -> natural log
+    tl.store(lse_ptr + head * stride_lh + start + rows, lse, mask=row_ok)
+
+
+def _prefill_tiles(q: torch.Tensor) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
+
+    128x64 tiles with 8 warps keep an H100/H200 SM busy at D=128 within shared memory; D=256
+    needs half of each to fit. The interpreter gets 32x16 so tiny tests cross tile boundaries.
+    """
+    head_dim = q.shape[-1]
+    if not q.is_cuda:
+        return 32, 16, 4, 1
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    max_seqlen: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
+
+    `max_seqlen` sizes the grid; pass it to avoid a device-to-host sync on cu_seqlens.
+    """
+    num_tokens, num_q, head_dim = q.shape
+    num_kv = k.shape[1]
+    _check_head_dim(head_dim)
+    assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
+    out = torch.empty_like(q)
+    lse = torch.empty(num_q, num_tokens, dtype=torch.float32, device=q.device)
+    num_seqs = cu_seqlens.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out, lse
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    block_m, block_n, num_warps, num_stages = _prefill_tiles(q)
+    grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_q)
+    _prefill_kernel[grid](
+        q, k, v, out, lse, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        scale * LOG2E,
+        GROUP=num_q // num_kv, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_launch_options(q, num_warps, num_stages),
+    )  # fmt: skip
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. One-pass window scoring from LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _window_scores_kernel(
+    q_ptr,
+    k_ptr,
+    lse_ptr,
+    out_ptr,
+    num_scored,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_lh,
+    stride_lt,
+    stride_oh,
+    scale_log2,
+    GROUP: tl.constexpr,
+    REDUCE_MAX: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    # Keys outer, queries inner: this program owns BLOCK_N keys of one KV head, loads them once,
+    # and streams the group's window queries past them; column sums never leave registers.
+    key_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    keys = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = keys < num_scored
+    dims = tl.arange(0, HEAD_DIM)
+    k_ptrs = k_ptr + keys[:, None] * stride_kt + kv_head * stride_kh + dims[None, :]
+    k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+
+    score = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        column = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for w_start in range(0, window, BLOCK_W):
+            w_idx = w_start + tl.arange(0, BLOCK_W)
+            w_ok = w_idx < window
+            q_ptrs = q_ptr + w_idx[:, None] * stride_qt + head * stride_qh + dims[None, :]
+            q = tl.load(q_ptrs, mask=w_ok[:, None], other=0.0)
+            # Padded query rows get LSE = +inf, so they add exp(-inf) = 0.
+            lse = tl.load(
+                lse_ptr + head * stride_lh + w_idx * stride_lt, mask=w_ok, other=float("inf")
+            )
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+            column += tl.sum(tl.exp2(s - lse[:, None] * 1.4426950408889634), 0)
+        if REDUCE_MAX:
+            score = tl.maximum(score, column)
+        else:
+            score += column
+    if not REDUCE_MAX:
+        score = score / GROUP
+    tl.store(out_ptr + kv_head * stride_oh + keys, score, mask=key_ok)
+
+
+def window_scores(
+    q_win: torch.Tensor,
+    k: torch.Tensor,
+    lse_win: torch.Tensor,
+    scale: float,
+    gqa_reduce: str = "mean",
+) -> torch.Tensor:
+    """Attention keys [0, n - w) receive from the w window queries, per KV head: float32 [Hkv, n - w].
+
+    q_win [w, Hq, D], k [n, Hkv, D], lse_win [Hq, w]; see `reference.window_scores`.
+    """
+    if gqa_reduce not in ("mean", "max"):
+        raise ValueError(f"unknown gqa_reduce {gqa_reduce!r}; expected 'mean' or 'max'")
+    window, num_q, head_dim = q_win.shape
+    n, num_kv = k.shape[0], k.shape[1]
+    _check_head_dim(head_dim)
+    num_scored = n - window
+    out = torch.empty(num_kv, max(num_scored, 0), dtype=torch.float32, device=k.device)
+    if num_scored <= 0:
+        return out
+    # 64 keys x 32 window queries per dot: w is usually 8-64, and 64 keys gives n/64 * Hkv
+    # programs (504 at n=4000, Hkv=8), a few waves on a 132-SM GPU.
+    block_n = 64 if k.is_cuda else 16
+    block_w = min(max(triton.next_power_of_2(window), 16), 32 if k.is_cuda else 16)
+    grid = (triton.cdiv(num_scored, block_n), num_kv)
+    _window_scores_kernel[grid](
+        q_win, k, lse_win, out, num_scored, window,
+        q_win.stride(0), q_win.stride(1), k.stride(0), k.stride(1),
+        lse_win.stride(0), lse_win.stride(1), out.stride(0),
+        scale * LOG2E,
+        GROUP=num_q // num_kv, REDUCE_MAX=gqa_reduce == "max", HEAD_DIM=head_dim,
+        BLOCK_N=block_n, BLOCK_W=block_w,
+        **_launch_options(k, 4, 2),
+    )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Paged decode attention (GQA-grouped, optional split-K)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    scale_log2,
+    block_size,
+    tokens_per_split,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    # One program = one sequence x one KV head x one split of its keys. All GROUP query heads of
+    # the KV head ride in one [BLOCK_G, D] tile, so each K/V byte is read once per step.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    lo = split * tokens_per_split
+    hi = tl.minimum(lo + tokens_per_split, context_len)
+
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    dims = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for key_start in range(lo, hi, BLOCK_N):
+        keys = key_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        # Gather per token: a tile may span several pages, and any page size works.
+        page = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
+        offset = keys % block_size
+        k_rows = page * stride_kb + offset * stride_kt + kv_head * stride_kh
+        v_rows = page * stride_vb + offset * stride_vt + kv_head * stride_vh
+        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        s = tl.where(key_ok[None, :], s, float("-inf"))  # the tile's first key is always valid
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+
+    # An empty split (or context_len 0) leaves l_i = 0: write out 0 and LSE -inf, never NaN.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:
+        num_splits = tl.num_programs(2)
+        part = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, Hq, S]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=g_ok[:, None])
+        # Base-2 LSE: the combine kernel stays in base 2.
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=g_ok)
+    else:
+        out_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_splits,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the per-split softmax results of one (sequence, query head) by their LSE weights."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse - lse_max)
+    dims = tl.arange(0, HEAD_DIM)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0
+    )
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+# Flash-decoding: a decode step launches batch x Hkv programs. Below about two waves of SMs (a few
+# long sequences) most of the GPU would idle, so the key axis is cut into splits that run in
+# parallel and a second small kernel merges them. Each split keeps at least this many tokens so the
+# merge traffic and per-program overhead stay small next to the K/V bytes read.
+_MIN_TOKENS_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: any small number exercises the split path
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(
+    batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
+) -> int:
+    """Key-axis splits for a decode step: 1 when batch x Hkv already fills about two waves."""
+    wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
+    useful = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
+    """(BLOCK_N keys per tile, num_warps, num_stages) for the decode kernel.
+
+    64 keys x D: 16 KiB of bf16 K per tile at D=128; halved at D=256 to stay in registers.
+    """
+    if not q.is_cuda:
+        return 16, 4, 1
+    return (64 if q.shape[-1] <= 128 else 32), 4, 2
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
+
+    block_tables [B, max_blocks] (int32, padded), context_lens [B]. `max_context_len` (a bound is
+    enough) avoids a device-to-host sync and, with a fixed `num_splits`, makes the launch
+    capturable in a CUDA graph.
+    """
+    batch, num_q, head_dim = q.shape
+    block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
+    _check_head_dim(head_dim)
+    assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    if max_context_len is None:
+        max_context_len = int(context_lens.max())
+    if num_splits is None:
+        num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
+    block_n, num_warps, num_stages = _decode_tiles(q)
+    tokens_per_split = (
+        triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
+    )
+    num_splits = triton.cdiv(max(max_context_len, 1), tokens_per_split)
+    group = num_q // num_kv
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            batch, num_q, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(batch, num_q, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused when SPLIT is off
+    _paged_decode_kernel[(batch, num_kv, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * LOG2E, block_size, tokens_per_split,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split,
+        **_launch_options(q, num_warps, num_stages),
+    )  # fmt: skip
+    if split:
+        _combine_splits_kernel[(batch, num_q)](
+            part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            **_launch_options(q, 4, 1),
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4-5. Moving tokens: store into the paged cache, gather kept tokens, fused compaction
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _copy_rows(src_ptr, dst_ptr, src_off, dst_off, ok, HEAD_DIM: tl.constexpr):
+    dims = tl.arange(0, HEAD_DIM)
+    rows = tl.load(src_ptr + src_off[:, None] + dims[None, :], mask=ok[:, None])
+    tl.store(
+        dst_ptr + dst_off[:, None] + dims[None, :],
+        rows.to(dst_ptr.dtype.element_ty),
+        mask=ok[:, None],
+    )
+
+
+@triton.jit
+def _move_tokens_kernel(
+    src_k_ptr,
+    src_v_ptr,
+    dst_k_ptr,
+    dst_v_ptr,
+    indices_ptr,
+    slots_ptr,
+    num_rows,
+    stride_sk_t,
+    stride_sk_h,
+    stride_sv_t,
+    stride_sv_h,
+    stride_dk_b,
+    stride_dk_t,
+    stride_dk_h,
+    stride_dv_b,
+    stride_dv_t,
+    stride_dv_h,
+    stride_ih,
+    dst_block_size,
+    HAS_V: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Row j of KV head h: dst[slot_j, h] = src[index_{h,j}, h].
+
+    index_{h,j} = indices[h, j] when GATHER, else j; slot_j = slots[j] when SCATTER (-1 skips),
+    else j. The destination is paged [blocks, dst_block_size, H, D]; a plain [R, H, D] tensor is
+    passed as pages of one token.
+    """
+    row_block = tl.program_id(0)
+    head = tl.program_id(1)
+    j = row_block * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = j < num_rows
+    if GATHER:
+        src_row = tl.load(indices_ptr + head * stride_ih + j, mask=ok, other=0).to(tl.int64)
+    else:
+        src_row = j.to(tl.int64)
+    if SCATTER:
+        slot = tl.load(slots_ptr + j, mask=ok, other=-1).to(tl.int64)
+        ok = ok & (slot >= 0)
+    else:
+        slot = j.to(tl.int64)
+    page = slot // dst_block_size
+    offset = slot % dst_block_size
+    _copy_rows(
+        src_k_ptr, dst_k_ptr,
+        src_row * stride_sk_t + head * stride_sk_h,
+        page * stride_dk_b + offset * stride_dk_t + head * stride_dk_h,
+        ok, HEAD_DIM,
+    )  # fmt: skip
+    if HAS_V:
+        _copy_rows(
+            src_v_ptr, dst_v_ptr,
+            src_row * stride_sv_t + head * stride_sv_h,
+            page * stride_dv_b + offset * stride_dv_t + head * stride_dv_h,
+            ok, HEAD_DIM,
+        )  # fmt: skip
+
+
+def _move_tokens(
+    src_k: torch.Tensor,
+    dst_k: torch.Tensor,
+    num_rows: int,
+    src_v: torch.Tensor | None = None,
+    dst_v: torch.Tensor | None = None,
+    indices: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+) -> None:
+    """Launch `_move_tokens_kernel`: src [n, H, D] -> paged dst [blocks, block_size, H, D]."""
+    head_dim, num_heads = src_k.shape[-1], src_k.shape[1]
+    _check_head_dim(head_dim)
+    assert src_k.stride(-1) == dst_k.stride(-1) == 1, "head dim must be contiguous"
+    if num_rows == 0:
+        return
+    has_v = src_v is not None
+    src_v = src_v if has_v else src_k
+    dst_v = dst_v if has_v else dst_k
+    assert src_v.stride(-1) == dst_v.stride(-1) == 1, "head dim must be contiguous"
+    # 32 rows x D per program: big enough to stream, small enough for many programs per SM.
+    block_r = 32 if src_k.is_cuda else 16
+    grid = (triton.cdiv(num_rows, block_r), num_heads)
+    _move_tokens_kernel[grid](
+        src_k, src_v, dst_k, dst_v,
+        indices if indices is not None else src_k,  # unused pointer when not GATHER
+        slots if slots is not None else src_k,  # unused pointer when not SCATTER
+        num_rows,
+        src_k.stride(0), src_k.stride(1), src_v.stride(0), src_v.stride(1),
+        dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
+        dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
+        indices.stride(0) if indices is not None else 0,
+        dst_k.shape[1],
+        HAS_V=has_v, GATHER=indices is not None, SCATTER=slots is not None,
+        HEAD_DIM=head_dim, BLOCK_R=block_r,
+        **_launch_options(src_k, 4, 1),
+    )  # fmt: skip
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at `slot_mapping` [T]; slot -1 is skipped."""
+    _move_tokens(k, k_cache, k.shape[0], src_v=v, dst_v=v_cache, slots=slot_mapping)
+
+
+def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """x [n, Hkv, D], indices [Hkv, B] -> [B, Hkv, D] with out[j, h] = x[indices[h, j], h]."""
+    assert indices.stride(-1) == 1
+    num_kept = indices.shape[1]
+    out = torch.empty(num_kept, *x.shape[1:], dtype=x.dtype, device=x.device)
+    _move_tokens(x, out.unsqueeze(1), num_kept, indices=indices)
+    return out
+
+
+def store_selected_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Compaction in one kernel: cache[slot_mapping[j], h] = k/v[indices[h, j], h].
+
+    k, v [n, Hkv, D] hold a prompt's keys and values (e.g. a prefill scratch buffer); indices
+    [Hkv, B] are the kept tokens per head (from `select_top_tokens`, whose top-k stays
+    `torch.topk`); slot_mapping [B] the paged slots of the B kept positions (-1 skips).
+    """
+    assert indices.stride(-1) == 1
+    _move_tokens(
+        k, k_cache, indices.shape[1], src_v=v, dst_v=v_cache, indices=indices, slots=slot_mapping
+    )

@@ -1,0 +1,106 @@
+"""Attention over the paged, per-layer-group KV cache, with compress-on-write for sparse layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sparse_core.config import SparsityConfig
+from sparse_core.kernels import KernelOps
+from sparse_core.policy import select_kept_tokens
+
+
+@dataclass
+class CompressJob:
+    """One prompt whose K/V a sparse layer group stores compressed: only `kept_slots` are written."""
+
+    start: int  # the prompt's tokens are [start, end) of the packed step
+    end: int
+    kept_slots: torch.Tensor  # [budget] slots of the kept tokens, in order
+
+
+@dataclass
+class GroupStepMetadata:
+    """What the layers of one group need for one step.
+
+    Prefill: `slot_mapping` [T] gives each token's slot, -1 for tokens of prompts in `compress`.
+    Decode: `slot_mapping` [B] is the new token's slot; `block_tables` and `context_lens` describe
+    each sequence's cached context in this group (which is shorter than the sequence in sparse
+    groups).
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    compress: list[CompressJob] = field(default_factory=list)
+
+
+@dataclass
+class StepMetadata:
+    is_prefill: bool
+    groups: list[GroupStepMetadata]
+    cu_seqlens: torch.Tensor | None = None  # prefill: packed sequence offsets
+
+
+class PagedAttention(nn.Module):
+    """Runs attention for one layer and keeps that layer's KV cache (owned by the engine)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        group: int,
+        budget: int | None,
+        sparsity: SparsityConfig,
+        ops: KernelOps,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.group = group
+        self.budget = budget
+        self.sparsity = sparsity
+        self.ops = ops
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self.generator: torch.Generator | None = None  # the `random` policy's draws
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+        group = meta.groups[self.group]
+        ops = self.ops
+        if not meta.is_prefill:
+            ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+            return ops.paged_decode_attention(
+                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+            )
+        out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale)
+        ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+        window = self.sparsity.window
+        for job in group.compress:
+            keys, values = k[job.start : job.end], v[job.start : job.end]
+            kept = select_kept_tokens(
+                self.sparsity,
+                self.budget,
+                q[job.end - window : job.end],
+                keys,
+                None if lse is None else lse[:, job.end - window : job.end],
+                self.scale,
+                ops,
+                self.generator,
+            )
+            ops.store_kv(
+                ops.gather_tokens(keys, kept),
+                ops.gather_tokens(values, kept),
+                self.k_cache,
+                self.v_cache,
+                job.kept_slots,
+            )
+        return out

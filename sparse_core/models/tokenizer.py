@@ -1,0 +1,118 @@
+"""Text <-> token ids: a Hugging Face tokenizer (HF directory or GGUF file), or bytes for dummy models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Files any one of which makes a directory hold a tokenizer transformers can load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer:
+    """Wraps a transformers tokenizer; `hf=None` means the model has none (token ids only)."""
+
+    def __init__(
+        self,
+        hf: Any | None,
+        vocab_size: int,
+        bos_token_id: int | None,
+        eos_token_ids: list[int],
+        source: str,
+    ) -> None:
+        self._hf = hf
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = list(eos_token_ids)
+        self.source = source
+
+    @classmethod
+    def from_gguf(cls, path: Path, eos_token_ids: list[int]) -> Tokenizer:
+        """The tokenizer transformers builds from the GGUF metadata (vocabulary, merges, template)."""
+        from transformers import PreTrainedTokenizerFast
+
+        # Not AutoTokenizer: it would also parse the whole file for a config, ~3 s for nothing.
+        hf = PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        return cls._wrap(hf, eos_token_ids, str(path))
+
+    @classmethod
+    def from_hf_dir(
+        cls, path: Path, vocab_size: int, bos_token_id: int | None, eos_token_ids: list[int]
+    ) -> Tokenizer:
+        """The directory's tokenizer; without tokenizer files, one that only rejects text."""
+        if not any((path / name).exists() for name in _TOKENIZER_FILES):
+            return cls(None, vocab_size, bos_token_id, eos_token_ids, str(path))
+        from transformers import AutoTokenizer
+
+        return cls._wrap(AutoTokenizer.from_pretrained(str(path)), eos_token_ids, str(path))
+
+    @classmethod
+    def _wrap(cls, hf: Any, eos_token_ids: list[int], source: str) -> Tokenizer:
+        eos = list(eos_token_ids) or ([hf.eos_token_id] if hf.eos_token_id is not None else [])
+        return cls(hf, len(hf), hf.bos_token_id, eos, source)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._hf is not None and bool(self._hf.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend().encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.has_chat_template:
+            raise ValueError(f"the model {self.source} has no chat template; send a plain prompt")
+        return self._hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def _backend(self) -> Any:
+        if self._hf is None:
+            raise ValueError(
+                f"the model {self.source} has no tokenizer files; only token ids can be used"
+            )
+        return self._hf
+
+
+class ByteTokenizer(Tokenizer):
+    """For dummy models: ids 0..255 are the UTF-8 bytes, then BOS and EOS when the vocabulary has room."""
+
+    def __init__(self, vocab_size: int) -> None:
+        room = vocab_size >= 258
+        super().__init__(
+            None,
+            vocab_size,
+            bos_token_id=256 if room else None,
+            eos_token_ids=[257] if room else [],
+            source="byte-level",
+        )
+
+    @property
+    def has_chat_template(self) -> bool:
+        return True
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        if add_special_tokens and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Random weights emit ids past the byte range; they decode to U+FFFD like invalid bytes.
+        out = bytearray()
+        for i in ids:
+            if i < 256:
+                out.append(i)
+            elif i == self.bos_token_id or i in self.eos_token_ids:
+                if not skip_special_tokens:
+                    out += b"<s>" if i == self.bos_token_id else b"</s>"
+            else:
+                out += "\ufffd".encode()
+        return out.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        # A plain role-prefixed transcript, so chat endpoints work on dummy models.
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")

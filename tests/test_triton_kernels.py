@@ -1,0 +1,308 @@
+"""Triton kernels against the plain-torch reference (the oracle).
+
+Without CUDA the kernels run on CPU under Triton's interpreter at tiny shapes: TRITON_INTERPRET is
+read when a kernel is decorated, i.e. when `triton_kernels` is imported, so it is set here before
+that import (importing torch or triton earlier does not matter). With CUDA the same small cases run
+compiled, and the `gpu` tests add realistic shapes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from sparse_core.kernels import reference as ref  # noqa: E402
+from sparse_core.kernels import triton_kernels as tk  # noqa: E402
+
+if not HAS_CUDA:
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tk._prefill_kernel, InterpretedFunction):
+        tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+# (atol, rtol) for outputs in the input dtype; LSE and scores are float32 in both implementations
+# and only differ by summation order (plus bf16/fp16 rounding of P in the kernels' P @ V).
+TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+def _randn(*shape: int, dtype: torch.dtype, device: str = DEVICE) -> torch.Tensor:
+    return torch.randn(*shape, device=device).to(dtype)
+
+
+def _packed(seq_lens: list[int], num_q: int, num_kv: int, head_dim: int, dtype: torch.dtype):
+    total = sum(seq_lens)
+    q = _randn(total, num_q, head_dim, dtype=dtype)
+    k = _randn(total, num_kv, head_dim, dtype=dtype)
+    v = _randn(total, num_kv, head_dim, dtype=dtype)
+    cu = torch.tensor(
+        [0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    return q, k, v, cu
+
+
+def _paged(
+    context_lens: list[int],
+    num_kv: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    spare_blocks: int = 3,
+):
+    """Random paged caches with a shuffled block table (padded with -1 past each context)."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    k_cache = _randn(num_blocks, block_size, num_kv, head_dim, dtype=dtype)
+    v_cache = _randn(num_blocks, block_size, num_kv, head_dim, dtype=dtype)
+    order = torch.randperm(num_blocks).tolist()
+    table = torch.full((len(context_lens), max(blocks_per_seq)), -1, dtype=torch.int32)
+    for i, count in enumerate(blocks_per_seq):
+        table[i, :count] = torch.tensor([order.pop() for _ in range(count)])
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, table.to(DEVICE), lens
+
+
+# --- prefill attention -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
+def test_prefill_attention_matches_reference(num_q: int, num_kv: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(num_q + 10 * num_kv)
+    # Several packed sequences: odd lengths, one shorter than a tile, one spanning several tiles.
+    q, k, v, cu = _packed([37, 5, 70, 1], num_q, num_kv, 32, dtype)
+    out, lse = tk.prefill_attention(q, k, v, cu, scale=0.3)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=0.3)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    _close(out, ref_out, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_prefill_attention_head_dims(head_dim: int) -> None:
+    torch.manual_seed(head_dim)
+    q, k, v, cu = _packed([19, 40], 4, 2, head_dim, torch.float32)
+    out, lse = tk.prefill_attention(q, k, v, cu, scale=head_dim**-0.5, max_seqlen=40)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=head_dim**-0.5)
+    _close(out, ref_out, torch.float32)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_head_dim_must_be_power_of_two() -> None:
+    q, k, v, cu = _packed([4], 2, 2, 48, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        tk.prefill_attention(q, k, v, cu, scale=1.0)
+
+
+# --- window scores ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gqa_reduce", ["mean", "max"])
+@pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
+def test_window_scores_match_reference(
+    num_q: int, num_kv: int, gqa_reduce: str, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(num_q)
+    n, window = 77, 20  # window not a multiple of the query tile; n - w not of the key tile
+    q, k, v, cu = _packed([n], num_q, num_kv, 32, dtype)
+    _, lse = ref.prefill_attention(q, k, v, cu, scale=0.25)
+    q_win, lse_win = q[n - window :], lse[:, n - window :]
+    scores = tk.window_scores(q_win, k, lse_win, 0.25, gqa_reduce=gqa_reduce)
+    expected = ref.window_scores(q_win, k, lse_win, 0.25, gqa_reduce=gqa_reduce)
+    assert scores.shape == (num_kv, n - window) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores, expected, atol=1e-6, rtol=1e-4)
+
+
+def test_window_scores_from_kernel_lse() -> None:
+    """The pipeline as the engine runs it: prefill's LSE feeds scoring directly."""
+    torch.manual_seed(1)
+    n, window = 45, 8
+    q, k, v, cu = _packed([n], 4, 2, 64, torch.float32)
+    _, lse = tk.prefill_attention(q, k, v, cu, scale=0.125)
+    scores = tk.window_scores(q[n - window :], k, lse[:, n - window :], 0.125)
+    expected = ref.window_scores(
+        q[n - window :], k, ref.window_lse(q[n - window :], k, 0.125), 0.125
+    )
+    torch.testing.assert_close(scores, expected, atol=1e-6, rtol=1e-4)
+
+
+# --- paged decode attention ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
+def test_paged_decode_matches_reference(
+    num_q: int, num_kv: int, num_splits: int | None, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(num_q + (num_splits or 0))
+    # Context lengths not multiples of the page size; the short one leaves later splits empty.
+    k_cache, v_cache, table, lens = _paged([37, 3, 50], num_kv, 32, block_size=8, dtype=dtype)
+    q = _randn(3, num_q, 32, dtype=dtype)
+    out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2, num_splits=num_splits)
+    expected = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
+    assert out.dtype == dtype
+    _close(out, expected, dtype)
+
+
+def test_paged_decode_head_dim_128_and_given_max_len() -> None:
+    torch.manual_seed(2)
+    k_cache, v_cache, table, lens = _paged([21, 16], 1, 128, block_size=16, dtype=torch.float32)
+    q = _randn(2, 4, 128, dtype=torch.float32)
+    out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1, max_context_len=32)
+    _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1), torch.float32)
+
+
+def test_split_count_heuristic() -> None:
+    cuda = torch.device("cuda")
+    if HAS_CUDA:
+        # Big batches already fill the GPU; one long sequence is split, but never below 256 tokens.
+        assert tk.decode_num_splits(128, 8, 4500, cuda) == 1
+        assert tk.decode_num_splits(1, 8, 4500, cuda) == 4500 // 256
+        assert tk.decode_num_splits(1, 8, 300, cuda) == 1
+    assert tk.decode_num_splits(1, 1, 100_000, torch.device("cpu")) >= 1
+
+
+# --- moving tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_reference_and_skips_negative_slots(dtype: torch.dtype) -> None:
+    torch.manual_seed(3)
+    num_tokens, num_kv, head_dim, block_size, num_blocks = 21, 2, 32, 4, 9
+    k, v = (_randn(num_tokens, num_kv, head_dim, dtype=dtype) for _ in range(2))
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots[[2, 7]] = -1
+    caches = [_randn(num_blocks, block_size, num_kv, head_dim, dtype=dtype) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    kept = slots >= 0
+    ref.store_kv(k[kept], v[kept], *expected, slots[kept])
+    tk.store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_store_kv_casts_to_cache_dtype() -> None:
+    k, v = (_randn(5, 2, 16, dtype=torch.float32) for _ in range(2))
+    caches = [torch.zeros(2, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+    slots = torch.tensor([7, 0, 3, 4, 1], device=DEVICE)
+    tk.store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0].view(8, 2, 16)[slots], k.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_tokens_matches_reference(dtype: torch.dtype) -> None:
+    torch.manual_seed(4)
+    x = _randn(50, 4, 64, dtype=dtype)
+    indices = torch.stack([torch.randperm(50)[:19].sort().values for _ in range(4)]).to(DEVICE)
+    assert torch.equal(tk.gather_tokens(x, indices), ref.gather_tokens(x, indices))
+
+
+@pytest.mark.parametrize("num_kv", [1, 2, 4])
+def test_store_selected_kv_is_gather_then_store(num_kv: int) -> None:
+    torch.manual_seed(5 + num_kv)
+    n, budget, head_dim, block_size, num_blocks = 60, 23, 32, 8, 7
+    k, v = (_randn(n, num_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    scores = torch.rand(num_kv, n - 8, device=DEVICE)
+    indices = ref.select_top_tokens(scores, n, budget, window=8, sinks=2)
+    # Kept positions go to a shuffled run of pages, like a freshly allocated block table.
+    pages = torch.randperm(num_blocks)[: math.ceil(budget / block_size)]
+    slots = (pages[:, None] * block_size + torch.arange(block_size)).flatten()[:budget].to(DEVICE)
+    caches = [
+        torch.zeros(num_blocks, block_size, num_kv, head_dim, dtype=torch.bfloat16, device=DEVICE)
+        for _ in range(2)
+    ]
+    expected = [c.clone() for c in caches]
+    ref.store_kv(ref.gather_tokens(k, indices), ref.gather_tokens(v, indices), *expected, slots)
+    tk.store_selected_kv(k, v, indices, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+# --- realistic shapes on a GPU (Llama-3-8B attention: 32 query heads, 8 KV heads, D=128) --------
+
+BF16 = torch.bfloat16
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_4000_tokens() -> None:
+    torch.manual_seed(10)
+    q, k, v, cu = _packed([4000, 1500, 37], 32, 8, 128, BF16)
+    out, lse = tk.prefill_attention(q, k, v, cu, scale=128**-0.5)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=128**-0.5)
+    _close(out, ref_out, BF16)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gqa_reduce", ["mean", "max"])
+def test_gpu_window_scores_4000_tokens(gqa_reduce: str) -> None:
+    torch.manual_seed(11)
+    n, window = 4000, 32
+    q, k, v, cu = _packed([n], 32, 8, 128, BF16)
+    _, lse = tk.prefill_attention(q, k, v, cu, scale=128**-0.5)
+    args = (q[n - window :], k, lse[:, n - window :], 128**-0.5)
+    scores = tk.window_scores(*args, gqa_reduce=gqa_reduce)
+    torch.testing.assert_close(
+        scores, ref.window_scores(*args, gqa_reduce=gqa_reduce), atol=1e-5, rtol=1e-3
+    )
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,context", [(64, 4500), (2, 4500), (64, 512)])
+def test_gpu_paged_decode(batch: int, context: int) -> None:
+    torch.manual_seed(12)
+    # Ragged contexts around the target length, 16-token pages.
+    lens = (context - torch.randint(0, 100, (batch,))).tolist()
+    k_cache, v_cache, table, lens_t = _paged(lens, 8, 128, block_size=16, dtype=BF16)
+    q = _randn(batch, 32, 128, dtype=BF16)
+    out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5)
+    _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5), BF16)
+
+
+@gpu
+@needs_cuda
+def test_gpu_store_and_compact_4000_tokens() -> None:
+    torch.manual_seed(13)
+    n, budget, block_size = 4000, 512, 16
+    k, v = (_randn(n, 8, 128, dtype=BF16) for _ in range(2))
+    caches = [torch.zeros(400, block_size, 8, 128, dtype=BF16, device=DEVICE) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    slots = torch.randperm(400 * block_size, device=DEVICE)[:n]
+    tk.store_kv(k, v, *caches, slots)
+    ref.store_kv(k, v, *expected, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+    indices = ref.select_top_tokens(torch.rand(8, n - 32, device=DEVICE), n, budget, 32, 4)
+    kept_slots = torch.arange(budget, device=DEVICE) + 1000
+    tk.store_selected_kv(k, v, indices, *caches, kept_slots)
+    ref.store_kv(
+        ref.gather_tokens(k, indices), ref.gather_tokens(v, indices), *expected, kept_slots
+    )
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
