@@ -202,7 +202,7 @@ def bench_prefill(n: int = 4000) -> dict[str, Any]:
     )
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         sdpa = _time_ms(
-            lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE)
+            [lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=SCALE)]
         )
     causal_flops = 4 * NUM_Q * HEAD_DIM * n * (n + 1) / 2  # QK^T and PV over the lower triangle
     return {
