@@ -13,14 +13,19 @@ from sparse_core.config import POLICIES, POOLINGS, EngineConfig, SparsityConfig
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine and sparsity flags, named as vLLM names them where vLLM has them."""
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--model", default="smollm2-135m-instruct",
-                        help="built-in alias, HF directory, .gguf file or dummy:<preset>")
+    engine.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="built-in alias, HF directory, .gguf file or dummy:<preset>",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-model-len", type=int, default=8192)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)")
+    engine.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)"
+    )
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     engine.add_argument("--seed", type=int, default=0)
     sparse = parser.add_argument_group("sparsity")
@@ -28,8 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sparse.add_argument("--budget", type=int, default=512)
     sparse.add_argument("--window", type=int, default=32)
     sparse.add_argument("--sinks", type=int, default=4)
-    sparse.add_argument("--full-layers", default="3",
-                        help="first N layers, a comma-separated list of indices, or 'auto'")
+    sparse.add_argument(
+        "--full-layers",
+        default="3",
+        help="first N layers, a comma-separated list of indices, or 'auto'",
+    )
     sparse.add_argument("--pooling", default="avg", choices=POOLINGS)
     sparse.add_argument("--kernel-size", type=int, default=7)
 
@@ -85,7 +93,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     start = time.monotonic()
     engine = LLMEngine(engine_config, sparsity)
-    print(f"[loaded {engine.model_config.name} in {time.monotonic() - start:.1f}s]", file=sys.stderr)
+    print(
+        f"[loaded {engine.model_config.name} in {time.monotonic() - start:.1f}s]", file=sys.stderr
+    )
     prompt = args.prompt
     if not args.raw and engine.tokenizer.has_chat_template:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

@@ -63,7 +63,9 @@ class SparsityConfig:
         fl = self.full_layers
         if isinstance(fl, str):
             if fl != "auto":
-                raise ValueError(f"full_layers must be an int, a list of ints or 'auto', got {fl!r}")
+                raise ValueError(
+                    f"full_layers must be an int, a list of ints or 'auto', got {fl!r}"
+                )
         elif isinstance(fl, bool) or not isinstance(fl, int | list | tuple):
             raise ValueError(f"full_layers must be an int, a list of ints or 'auto', got {fl!r}")
         elif isinstance(fl, int):

@@ -5,6 +5,7 @@ Layers with the same budget form a *layer group*: one KV pool and one block tabl
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,13 +103,11 @@ def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:
     # shape), then each of `pyramid_tiers` contiguous bands of layers takes its band's mean, so the
     # number of pools stays small. No tier drops below what the window and sinks need.
     floor = sparsity.window + sparsity.sinks + 1
-    raw = [
-        sparsity.budget * (1.5 - j / (num_sparse - 1)) for j in range(num_sparse)
-    ]
+    raw = [sparsity.budget * (1.5 - j / (num_sparse - 1)) for j in range(num_sparse)]
     tiers = min(sparsity.pyramid_tiers, num_sparse)
     bounds = [round(t * num_sparse / tiers) for t in range(tiers + 1)]
     budgets: list[int] = []
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    for lo, hi in itertools.pairwise(bounds):
         band = max(floor, round(sum(raw[lo:hi]) / (hi - lo)))
         budgets += [band] * (hi - lo)
     return budgets

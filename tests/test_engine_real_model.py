@@ -45,7 +45,9 @@ def test_budget_at_least_the_prompt_reproduces_dense(policy, dense_llm):
 
 
 def long_prompt(llm: LLM, num_facts: int = 60) -> str:
-    facts = " ".join(f"Fact {i}: the number of item {i} is {i * 7 % 100}." for i in range(num_facts))
+    facts = " ".join(
+        f"Fact {i}: the number of item {i} is {i * 7 % 100}." for i in range(num_facts)
+    )
     return chat_prompt(llm, facts + " Summarise the facts above in one sentence.")
 
 

@@ -97,7 +97,10 @@ def test_paged_decode_matches_dense_attention_with_shuffled_blocks():
         keys = k_cache[tables[b]].flatten(0, 1)[: lens[b]]
         values = v_cache[tables[b]].flatten(0, 1)[: lens[b]]
         expected = F.scaled_dot_product_attention(
-            q[b].unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), scale=0.5,
+            q[b].unsqueeze(1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            scale=0.5,
             enable_gqa=True,
         ).squeeze(1)
         torch.testing.assert_close(out[b], expected, rtol=1e-4, atol=1e-5)

@@ -179,13 +179,14 @@ def test_paged_decode_head_dim_128_and_given_max_len() -> None:
 
 
 def test_split_count_heuristic() -> None:
-    cuda = torch.device("cuda")
-    if HAS_CUDA:
-        # Big batches already fill the GPU; one long sequence is split, but never below 256 tokens.
-        assert tk.decode_num_splits(128, 8, 4500, cuda) == 1
-        assert tk.decode_num_splits(1, 8, 4500, cuda) == 4500 // 256
-        assert tk.decode_num_splits(1, 8, 300, cuda) == 1
-    assert tk.decode_num_splits(1, 1, 100_000, torch.device("cpu")) >= 1
+    device = torch.device(DEVICE)
+    sms = tk._num_sms(device)
+    # Enough (sequence, KV head) programs to cover every SM: no split.
+    assert tk.decode_num_splits(sms, 1, 4500, device) == 1
+    # One long sequence is split, but never below one key tile per split.
+    splits = tk.decode_num_splits(1, 1, 4500, device)
+    assert 1 < splits <= 4500 // tk._MIN_TOKENS_PER_SPLIT
+    assert tk.decode_num_splits(1, 1, tk._MIN_TOKENS_PER_SPLIT - 1, device) == 1
 
 
 # --- moving tokens ---------------------------------------------------------------------------

@@ -26,7 +26,9 @@ class LLM:
         sparsity: SparsityConfig | None = None,
         **engine_args: Any,
     ) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), sparsity or SparsityConfig())
+        self.engine = LLMEngine(
+            EngineConfig(model=model, **engine_args), sparsity or SparsityConfig()
+        )
         self._counter = 0
 
     @property

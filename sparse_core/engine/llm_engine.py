@@ -79,6 +79,8 @@ class LLMEngine:
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
@@ -104,9 +106,7 @@ class LLMEngine:
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
         self.scheduler.add(seq)
 
-    def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         self.add_sequence(self.make_sequence(request_id, prompt, params))
 
     def abort(self, request_id: str) -> RequestOutput | None:

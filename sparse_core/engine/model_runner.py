@@ -130,9 +130,7 @@ class ModelRunner:
                     slot_mappings[g] += slots
                 else:
                     slot_mappings[g] += [-1] * n
-                    groups[g].compress.append(
-                        CompressJob(start, start + n, self._tensor(slots))
-                    )
+                    groups[g].compress.append(CompressJob(start, start + n, self._tensor(slots)))
         for g, group in enumerate(groups):
             group.slot_mapping = self._tensor(slot_mappings[g])
         meta = StepMetadata(is_prefill=True, groups=groups, cu_seqlens=self._tensor(cu_seqlens))

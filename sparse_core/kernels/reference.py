@@ -9,6 +9,8 @@ Layouts (T = tokens in a step, Hq / Hkv = query / KV heads, D = head dim):
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +26,7 @@ def prefill_attention(
     out = torch.empty_like(q)
     lse = torch.empty(num_q, q.shape[0], dtype=torch.float32, device=q.device)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for start, end in itertools.pairwise(bounds):
         qs = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
         ks = k[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
         vs = v[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
@@ -48,7 +50,7 @@ def causal_attention(
     """
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for start, end in itertools.pairwise(bounds):
         qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)
@@ -127,7 +129,9 @@ def select_top_tokens(
     num_top = budget - window - sinks
     middle = pooled[:, sinks : n - window]
     top = torch.topk(middle, num_top, dim=-1).indices + sinks
-    forced = torch.cat([torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)])
+    forced = torch.cat(
+        [torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)]
+    )
     kept = torch.cat([forced.unsqueeze(0).expand(num_kv, -1), top], dim=-1)
     return kept.sort(dim=-1).values
 

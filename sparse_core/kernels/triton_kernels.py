@@ -438,11 +438,13 @@ def _combine_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-# Flash-decoding: a decode step launches batch x Hkv programs. Below about two waves of SMs (a few
-# long sequences) most of the GPU would idle, so the key axis is cut into splits that run in
-# parallel and a second small kernel merges them. Each split keeps at least this many tokens so the
-# merge traffic and per-program overhead stay small next to the K/V bytes read.
-_MIN_TOKENS_PER_SPLIT = 256
+# Flash-decoding: a decode step launches batch x Hkv programs. With fewer programs than SMs (a few
+# long sequences) most of the GPU idles, so the key axis is cut into splits that run in parallel
+# (about two waves of programs), and a second small kernel merges them. A split holds at least one
+# full key tile. Measured on an H200 (32q/8kv heads, D=128): batch 1 at 4500 tokens runs 7x faster
+# with 33 splits; at batch x Hkv >= SMs splitting only adds work (batch 32: 145 µs unsplit, 180 µs
+# with 2 splits).
+_MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
 
@@ -455,20 +457,25 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
-    """Key-axis splits for a decode step: 1 when batch x Hkv already fills about two waves."""
-    wanted = triton.cdiv(2 * _num_sms(device), batch * num_kv_heads)
+    """Key-axis splits for a decode step: 1 once batch x Hkv programs cover every SM."""
+    programs, sms = batch * num_kv_heads, _num_sms(device)
+    if programs >= sms:
+        return 1
+    wanted = triton.cdiv(2 * sms, programs)
     useful = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, _MAX_SPLITS))
+    return min(wanted, useful, _MAX_SPLITS)
 
 
 def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages) for the decode kernel.
 
-    64 keys x D: 16 KiB of bf16 K per tile at D=128; halved at D=256 to stay in registers.
+    Long tiles keep many bytes in flight per program, which is what a bandwidth-bound kernel
+    needs: on an H200, 128 keys x 128 dims beat 64 keys by up to 1.5x unsplit and reach ~98% of
+    copy bandwidth at batch 64 x 4500 tokens. Halved at D=256 to stay within shared memory.
     """
     if not q.is_cuda:
         return 16, 4, 1
-    return (64 if q.shape[-1] <= 128 else 32), 4, 2
+    return (128 if q.shape[-1] <= 128 else 64), 4, 2
 
 
 def paged_decode_attention(

@@ -84,9 +84,7 @@ class LlamaAttention(nn.Module):
         self.attn = attn
         self.rotary = rotary
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
         k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
@@ -114,9 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -220,5 +216,7 @@ class LlamaForCausalLM(nn.Module):
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {name!r}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
+        raise ValueError(
+            f"shape mismatch for {name!r}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
+        )
     dst.copy_(src)

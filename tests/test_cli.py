@@ -1,0 +1,54 @@
+"""The `kvsparse` command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_core.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_generate_with_the_built_in_model():
+    proc = run_cli(
+        "generate",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--policy",
+        "snapkv",
+        "--budget",
+        "64",
+        "--window",
+        "8",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    summary = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert summary["finish_reason"] in ("stop", "length")
+    assert summary["completion_tokens"] >= 1
+
+
+def test_bad_flag_value_is_a_clear_error():
+    proc = run_cli(
+        "generate",
+        "hi",
+        "--policy",
+        "snapkv",
+        "--budget",
+        "16",
+        "--window",
+        "32",
+        "--model",
+        "dummy:tiny",
+    )
+    assert proc.returncode == 2
+    assert "budget (16) must be greater than window (32)" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,101 @@
+"""Per-group KV pools: what compression buys in admitted sequences, and which layers keep what."""
+
+from __future__ import annotations
+
+import random
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.cache.block_manager import cdiv
+
+# A 32-layer model with the KV-head layout of Llama-3 scaled down (block accounting depends only
+# on the layer count and the per-token KV size, not on the hidden size).
+LLAMA3_DEPTH = {"num_hidden_layers": 32}
+PROMPT_LEN = 4000
+
+
+def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, dict]:
+    llm = LLM(
+        "dummy:tiny",
+        sparsity=sparsity,
+        hf_overrides=LLAMA3_DEPTH,
+        max_model_len=4096,
+        max_num_seqs=256,
+        kv_cache_memory_gb=0.15,
+        expected_input_len=PROMPT_LEN,
+        expected_output_len=16,
+    )
+    engine = llm.engine
+    rng = random.Random(0)
+    for i in range(num_prompts):
+        prompt = [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    peak, peak_blocks = 0, {}
+    while engine.has_unfinished:
+        engine.step()
+        stats = engine.stats()
+        if stats.num_running > peak:
+            peak, peak_blocks = stats.num_running, stats.kv_blocks
+        engine.check_invariants()
+    return peak, peak_blocks
+
+
+def test_snapkv_admits_four_times_as_many_4000_token_sequences_as_dense():
+    dense, dense_blocks = peak_concurrency(SparsityConfig(policy="dense"), 8)
+    sparse, sparse_blocks = peak_concurrency(
+        SparsityConfig(policy="snapkv", budget=512, window=32, full_layers=3), 8 * 5
+    )
+    assert dense >= 2
+    assert sparse >= 4 * dense, (dense, sparse)
+    # The block usage that explains it: dense holds every prompt token in all 32 layers; the
+    # sparse engine holds them in its 3 full layers and 512 of them in the other 29.
+    per_seq_dense = cdiv(PROMPT_LEN + 4, 16)
+    assert dense_blocks["full"]["used"] <= dense * per_seq_dense
+    assert sparse_blocks["budget512"]["used"] <= sparse * cdiv(512 + 4, 16)
+    assert sparse_blocks["full"]["used"] >= sparse * cdiv(PROMPT_LEN, 16)
+
+
+def test_full_layers_list_keeps_exactly_those_layers_whole():
+    llm = LLM(
+        "dummy:tiny",
+        sparsity=SparsityConfig(policy="snapkv", budget=48, window=8, full_layers=[1, 6, 3]),
+        hf_overrides={"num_hidden_layers": 8},
+        max_model_len=1024,
+        kv_cache_memory_gb=0.02,
+    )
+    plan = llm.engine.plan
+    assert [g.name for g in plan.groups] == ["full", "budget48"]
+    assert plan.groups[0].layers == (1, 3, 6)
+    assert plan.groups[1].layers == (0, 2, 4, 5, 7)
+    engine = llm.engine
+    engine.add_request("a", list(range(1, 301)), SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()  # prefill: compress-on-write happens here
+    usage = engine.stats().kv_blocks
+    assert usage["full"]["used"] == cdiv(300, 16)
+    assert usage["budget48"]["used"] == cdiv(48, 16)  # never held the whole prompt
+    # Each layer's cache: full layers hold the prompt's 300 tokens, the others only 48.
+    seq = engine.sequences["a"]
+    assert seq.kv_lens == [300, 48]
+    while engine.has_unfinished:
+        engine.step()
+
+
+def test_pyramid_budgets_decrease_with_depth_in_a_few_tiers():
+    llm = LLM(
+        "dummy:tiny",
+        sparsity=SparsityConfig(
+            policy="pyramid", budget=128, window=8, full_layers=2, pyramid_tiers=3
+        ),
+        hf_overrides={"num_hidden_layers": 14},
+        max_model_len=1024,
+        kv_cache_memory_gb=0.02,
+    )
+    groups = llm.engine.plan.groups
+    budgets = [g.budget for g in groups[1:]]
+    assert groups[0].layers == (0, 1)
+    assert len(budgets) == 3 and budgets == sorted(budgets, reverse=True)
+    # Deeper tiers hold deeper layers, and the mean budget over sparse layers stays ~128.
+    assert max(groups[1].layers) < min(groups[2].layers) < min(groups[3].layers)
+    mean = sum(g.budget * len(g.layers) for g in groups[1:]) / 12
+    assert abs(mean - 128) <= 2
+    out = llm.generate([list(range(1, 400))], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert out.kv_tokens_per_group == {"full": 399, **{g.name: g.budget for g in groups[1:]}}

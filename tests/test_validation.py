@@ -1,0 +1,117 @@
+"""Bad configuration and bad input fail fast, with a message that names the problem."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_core import LLM, EngineConfig, SamplingParams, SparsityConfig
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LLM:
+    return LLM("dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.001)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": "snapkv", "budget": 32, "window": 32}, "budget .* must be greater than window"),
+        ({"policy": "snapkv", "budget": 36, "window": 32, "sinks": 4}, "budget"),
+        ({"policy": "h2o"}, "unknown sparsity policy 'h2o'"),
+        ({"full_layers": [1, 2, 1]}, "duplicate"),
+        ({"full_layers": -1}, "full_layers must be >= 0"),
+        ({"full_layers": "first"}, "full_layers must be an int"),
+        ({"pooling": "median"}, "unknown pooling"),
+        ({"kernel_size": 4}, "kernel_size must be a positive odd number"),
+    ],
+)
+def test_bad_sparsity_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SparsityConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("full_layers", "message"),
+    [
+        (5, "full_layers=5 exceeds the model's 4 layers"),
+        ([0, 4], r"full_layers \[4\] out of range"),
+    ],
+)
+def test_full_layers_beyond_the_model(full_layers, message):
+    sparsity = SparsityConfig(policy="snapkv", budget=64, window=8, full_layers=full_layers)
+    with pytest.raises(ValueError, match=message):
+        LLM("dummy:tiny", sparsity=sparsity, kv_cache_memory_gb=0.001)
+
+
+def test_auto_full_layers_without_a_profile():
+    sparsity = SparsityConfig(policy="snapkv", budget=64, window=8, full_layers="auto")
+    with pytest.raises(ValueError, match="calibrated profile for model 'dummy:tiny'"):
+        LLM("dummy:tiny", sparsity=sparsity, kv_cache_memory_gb=0.001)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("no-such-model", "no-such-model"),
+        ("dummy:gpt5", "gpt5"),
+        ("/nonexistent/dir", "no such file or directory"),
+    ],
+)
+def test_unknown_model(model, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(model, kv_cache_memory_gb=0.001)
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="max_num_seqs must be at least 1"):
+        EngineConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match=r"max_model_len .* exceeds the model's"):
+        LLM("dummy:tiny", max_model_len=100_000, kv_cache_memory_gb=0.001)
+
+
+def test_prompt_longer_than_max_model_len(tiny):
+    with pytest.raises(ValueError, match="max_model_len is 256"):
+        tiny.generate([list(range(1, 300))])
+
+
+def test_empty_prompt(tiny):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny.generate([""])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        tiny.generate([[]])
+
+
+def test_token_ids_outside_the_vocabulary(tiny):
+    with pytest.raises(ValueError, match=r"integers in \[0, 512\)"):
+        tiny.generate([[1, 2, 100_000]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": -3}, "max_tokens must be at least 1"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"stop": [""]}, "stop strings"),
+    ],
+)
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_request_larger_than_the_whole_cache():
+    llm = LLM("dummy:tiny", max_model_len=4096, kv_cache_memory_gb=0.0003)
+    with pytest.raises(ValueError, match=r"needs .* KV blocks in layer group 'full'"):
+        llm.generate([[i % 500 + 1 for i in range(4000)]])
+
+
+def test_a_rejected_batch_runs_nothing(tiny):
+    with pytest.raises(ValueError):
+        tiny.generate([[1, 2, 3], []])
+    assert not tiny.engine.has_unfinished
+    tiny.engine.check_invariants()
