@@ -123,9 +123,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvsparse", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """The engine's subcommands; the `kvsparse` entry point (service.cli) adds the serving ones."""
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -136,16 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvsparse", description=__doc__)
+    add_subcommands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse and dispatch; a ValueError (bad flag value, bad model...) exits 2 with its message."""
     args = parser.parse_args(argv)
     try:
         return args.func(args)
     except ValueError as exc:
         parser.exit(2, f"kvsparse: error: {exc}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

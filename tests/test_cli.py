@@ -9,7 +9,7 @@ import sys
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sparse_core.cli", *args],
+        [sys.executable, "-m", "service.cli", *args],
         capture_output=True,
         text=True,
         timeout=300,
