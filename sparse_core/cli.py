@@ -24,6 +24,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument(
+        "--gpu-memory-limit-gb",
+        type=float,
+        default=None,
+        help="hard cap on GPU memory, e.g. 24 to emulate an RTX 4090",
+    )
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    engine.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)"
     )
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -63,6 +70,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_limit_gb=args.gpu_memory_limit_gb,
+        enforce_eager=args.enforce_eager,
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
@@ -123,8 +132,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> None:
-    """The engine's subcommands; the `kvsparse` entry point (service.cli) adds the serving ones."""
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from sparse_core.bench import throughput
+
+    return throughput.main(args)
+
+
+def add_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """The engine's subcommands; returns the `bench` group, where serving adds `bench serve`.
+
+    The `kvsparse` entry point (service.cli) adds the serving subcommands."""
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -135,6 +152,14 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    tp = bench.add_parser("throughput", help="offline throughput, policies side by side (GPU)")
+    from sparse_core.bench.throughput import add_arguments
+
+    add_arguments(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+    return bench
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,8 +95,11 @@ class SparsityConfig:
 class EngineConfig:
     """Everything the engine needs besides the sparsity policy.
 
-    kv_cache_memory_gb: bytes of KV cache in total (all layer groups); None = derived from
-      `gpu_memory_utilization` on a GPU, or 2 GB on CPU.
+    kv_cache_memory_gb: KV cache in total (all layer groups), in GiB; None = what is left on the
+      GPU under `gpu_memory_utilization` (and `gpu_memory_limit_gb`) after weights, activations
+      and CUDA graphs; 2 GiB on CPU.
+    gpu_memory_limit_gb: a hard cap on the engine's GPU memory in GiB, e.g. 24 to make a large
+      GPU stand in for an RTX 4090.
     expected_input_len / expected_output_len: the typical request, used to split KV memory
       between layer groups so that every group runs out at the same number of sequences.
     max_num_batched_tokens: tokens per prefill step; prompts are prefilled whole, so it is at
@@ -110,6 +113,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
+    gpu_memory_limit_gb: float | None = None
     expected_input_len: int = 4000
     expected_output_len: int = 500
     device: str | None = None

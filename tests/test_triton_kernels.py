@@ -178,6 +178,17 @@ def test_paged_decode_head_dim_128_and_given_max_len() -> None:
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1), torch.float32)
 
 
+def test_paged_decode_unsplit_reads_past_a_stale_bound() -> None:
+    """A CUDA graph captured at a shorter max_context_len still sees the grown contexts."""
+    torch.manual_seed(6)
+    k_cache, v_cache, table, lens = _paged([45, 30], 2, 32, block_size=8, dtype=torch.float32)
+    q = _randn(2, 4, 32, dtype=torch.float32)
+    out = tk.paged_decode_attention(
+        q, k_cache, v_cache, table, lens, 0.2, max_context_len=20, num_splits=1
+    )
+    _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2), torch.float32)
+
+
 def test_split_count_heuristic() -> None:
     device = torch.device(DEVICE)
     sms = tk._num_sms(device)

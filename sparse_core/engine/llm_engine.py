@@ -6,6 +6,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.memory import split_kv_memory
 from sparse_core.config import EngineConfig, SparsityConfig
@@ -21,6 +23,19 @@ from sparse_core.policy import plan_layers
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 2.0
+# Captured decode graphs keep their own activation buffers (one pool shared by all buckets).
+CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
+
+
+@dataclass
+class StepRecord:
+    """One step, for benchmarks: what ran and how long it took (wall clock, device included)."""
+
+    is_prefill: bool
+    num_seqs: int
+    num_tokens: int  # tokens fed to the model
+    kv_token_layers: int  # cached token-layers attention read (decode) or wrote (prefill)
+    seconds: float
 
 
 @dataclass
@@ -49,10 +64,12 @@ class LLMEngine:
             config.expected_output_len,
         )
         self.runner.allocate_kv_cache(blocks)
+        self.runner.capture_decode_graphs()
         self.block_manager = BlockManager(self.plan, blocks, config.block_size)
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_records: list[StepRecord] | None = None  # set to [] to record every step
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -62,13 +79,35 @@ class LLMEngine:
         )
 
     def _kv_cache_bytes(self) -> int:
-        gb = self.config.kv_cache_memory_gb
-        if gb is None:
-            if self.runner.device.type != "cuda":
-                gb = CPU_DEFAULT_KV_CACHE_GB
-            else:
-                raise ValueError("kv_cache_memory_gb must be set on CUDA devices for now")
-        return int(gb * 2**30)
+        config = self.config
+        if config.kv_cache_memory_gb is not None:
+            return int(config.kv_cache_memory_gb * 2**30)
+        device = self.runner.device
+        if device.type != "cuda":
+            return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
+        free, total = torch.cuda.mem_get_info(device)
+        limit = total * config.gpu_memory_utilization
+        if config.gpu_memory_limit_gb is not None:
+            limit = min(limit, config.gpu_memory_limit_gb * 2**30)
+        activations = self.runner.profile_activation_bytes()
+        weights = torch.cuda.memory_allocated(device)
+        # CUDA context, cuBLAS workspaces and other memory outside torch's allocator.
+        outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        kv = int(limit - weights - activations - outside_torch - graphs)
+        logger.info(
+            "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "
+            "graphs %.2f + KV cache %.2f",
+            *(x / 2**30 for x in (limit, weights, activations, outside_torch, graphs, kv)),
+        )
+        if kv <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: the limit is {limit / 2**30:.2f} GiB and "
+                f"weights + activations already take {(weights + activations) / 2**30:.2f} GiB; "
+                f"raise gpu_memory_utilization / gpu_memory_limit_gb or lower "
+                f"max_num_batched_tokens"
+            )
+        return kv
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -128,8 +167,11 @@ class LLMEngine:
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
-        tokens = self.runner.run(seqs, is_prefill)
+        start = time.monotonic()
+        tokens = self.runner.run(seqs, is_prefill)  # returns host ints: the device is done
         now = time.monotonic()
+        if self.step_records is not None:
+            self.step_records.append(self._step_record(seqs, is_prefill, now - start))
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
             if seq.first_token_time is None:
@@ -142,6 +184,18 @@ class LLMEngine:
             else:
                 outputs.append(self._output(seq))
         return outputs
+
+    def _step_record(self, seqs: list[Sequence], is_prefill: bool, seconds: float) -> StepRecord:
+        layers = [len(g.layers) for g in self.plan.groups]
+        return StepRecord(
+            is_prefill=is_prefill,
+            num_seqs=len(seqs),
+            num_tokens=sum(len(s) for s in seqs) if is_prefill else len(seqs),
+            kv_token_layers=sum(
+                n * kv for seq in seqs for n, kv in zip(layers, seq.kv_lens, strict=True)
+            ),
+            seconds=seconds,
+        )
 
     def _append_text(self, seq: Sequence, token: int) -> str | None:
         """Extend the text with the new token; the finish reason if the sequence is done."""

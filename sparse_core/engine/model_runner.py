@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.sequence import Sequence
 from sparse_core.kernels import get_ops
@@ -67,6 +68,7 @@ class ModelRunner:
         else:
             _init_random_weights(self.model)
         self.model.eval()
+        self.graphs: DecodeGraphs | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
         random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
         for attn in self.model.attention_layers:
@@ -96,13 +98,14 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         if is_prefill:
             input_ids, positions, meta, last = self._prepare_prefill(seqs)
+            logits = self.model.compute_logits(self.model(input_ids, positions, meta)[last])
         else:
-            input_ids, positions, meta = self._prepare_decode(seqs)
-            last = None
-        hidden = self.model(input_ids, positions, meta)
-        if last is not None:
-            hidden = hidden[last]
-        return sample(self.model.compute_logits(hidden), seqs, self.generator)
+            step = self._prepare_decode(seqs)
+            if self.graphs is not None:
+                logits = self.graphs.run(step)
+            else:
+                logits = self._run_decode_eager(step)
+        return sample(logits, seqs, self.generator)
 
     def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
         table, bs = seq.block_tables[group], self.block_size
@@ -137,25 +140,90 @@ class ModelRunner:
         last = self._tensor([end - 1 for end in cu_seqlens[1:]])
         return self._tensor(input_ids), self._tensor(positions), meta, last
 
-    def _prepare_decode(self, seqs: list[Sequence]):
-        input_ids = [seq.token_ids[-1] for seq in seqs]
-        positions = [len(seq) - 1 for seq in seqs]
+    def _prepare_decode(self, seqs: list[Sequence]) -> DecodeBatch:
+        num_groups = len(self.plan.groups)
+        return DecodeBatch(
+            input_ids=[seq.token_ids[-1] for seq in seqs],
+            positions=[len(seq) - 1 for seq in seqs],
+            slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
+            block_tables=[[seq.block_tables[g] for seq in seqs] for g in range(num_groups)],
+            context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
+        )
+
+    def _run_decode_eager(self, step: DecodeBatch) -> torch.Tensor:
         groups = []
-        for g in range(len(self.plan.groups)):
-            tables = [seq.block_tables[g] for seq in seqs]
+        for slots, tables, lens in zip(
+            step.slots, step.block_tables, step.context_lens, strict=True
+        ):
             width = max(len(t) for t in tables)
             groups.append(
                 GroupStepMetadata(
-                    slot_mapping=self._tensor([seq.decode_slots[g] for seq in seqs]),
+                    slot_mapping=self._tensor(slots),
                     block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
-                    context_lens=self._tensor([seq.kv_lens[g] for seq in seqs]),
+                    context_lens=self._tensor(lens),
+                    max_context_len=max(lens),
                 )
             )
         meta = StepMetadata(is_prefill=False, groups=groups)
-        return self._tensor(input_ids), self._tensor(positions), meta
+        hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
+        return self.model.compute_logits(hidden)
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    # -- GPU start-up ---------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self) -> int:
+        """Peak memory a maximal prefill step needs above what is allocated now (CUDA only).
+
+        Runs max_num_batched_tokens of prompts of max_model_len tokens through the model with
+        every slot at -1, so nothing is cached; the caches are placeholders of one block.
+        """
+        cfg = self.model.config
+        placeholder = torch.zeros(
+            (2, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for attn in self.model.attention_layers:
+            attn.k_cache, attn.v_cache = placeholder[0], placeholder[1]
+        total = self.config.max_num_batched_tokens
+        lens = [self.config.max_model_len] * (total // self.config.max_model_len)
+        if total % self.config.max_model_len:
+            lens.append(total % self.config.max_model_len)
+        cu_seqlens = [0]
+        for n in lens:
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        slots = self._tensor([-1] * total)
+        meta = StepMetadata(
+            is_prefill=True,
+            groups=[GroupStepMetadata(slot_mapping=slots) for _ in self.plan.groups],
+            cu_seqlens=self._tensor(cu_seqlens),
+        )
+        ids = torch.randint(0, cfg.vocab_size, (total,), device=self.device)
+        positions = self._tensor([p for n in lens for p in range(n)])
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(ids, positions, meta)
+        self.model.compute_logits(hidden[self._tensor([c - 1 for c in cu_seqlens[1:]])])
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - before
+
+    def capture_decode_graphs(self) -> None:
+        """After the KV caches exist: capture decode graphs, unless eager mode or not on CUDA."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        self.graphs = DecodeGraphs(
+            self.model,
+            len(self.plan.groups),
+            self.config.max_num_seqs,
+            -(-self.config.max_model_len // self.block_size),
+            self.config.max_model_len,
+            self.device,
+        )
+        self.graphs.capture()
 
 
 def _init_random_weights(model: torch.nn.Module) -> None:

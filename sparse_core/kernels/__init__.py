@@ -24,8 +24,8 @@ class KernelOps:
     window_scores: Callable
     pool_scores: Callable
     select_top_tokens: Callable
-    gather_tokens: Callable
     store_kv: Callable
+    store_selected_kv: Callable
     paged_decode_attention: Callable
 
 
@@ -40,11 +40,31 @@ REFERENCE_OPS = KernelOps(
     window_scores=reference.window_scores,
     pool_scores=reference.pool_scores,
     select_top_tokens=reference.select_top_tokens,
-    gather_tokens=reference.gather_tokens,
     store_kv=reference.store_kv,
+    store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
 )
 
 
+def _triton_ops() -> KernelOps:
+    from sparse_core.kernels import triton_kernels as tk
+
+    return KernelOps(
+        name="triton",
+        prefill_attention=tk.prefill_attention,
+        window_lse=reference.window_lse,  # unused: the Triton prefill kernel emits LSE
+        window_scores=tk.window_scores,
+        # Pooling and top-k touch Hkv x n floats once: torch's kernels are fine there.
+        pool_scores=reference.pool_scores,
+        select_top_tokens=reference.select_top_tokens,
+        store_kv=tk.store_kv,
+        store_selected_kv=tk.store_selected_kv,
+        paged_decode_attention=tk.paged_decode_attention,
+    )
+
+
 def get_ops(device: torch.device) -> KernelOps:
+    """Triton on CUDA devices, plain torch elsewhere."""
+    if device.type == "cuda":
+        return _triton_ops()
     return REFERENCE_OPS

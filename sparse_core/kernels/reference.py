@@ -156,6 +156,18 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
+def store_selected_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Compaction: cache[slot_mapping[j], h] = k/v[indices[h, j], h] for the kept tokens."""
+    store_kv(gather_tokens(k, indices), gather_tokens(v, indices), k_cache, v_cache, slot_mapping)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -163,15 +175,16 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context_len: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the cache, including
-    the one written this step).
+    the one written this step); `max_context_len`, a bound on context_lens, spares a host sync.
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    max_len = int(context_lens.max())
+    max_len = int(context_lens.max()) if max_context_len is None else max_context_len
     num_blocks = (max_len + block_size - 1) // block_size
     tables = block_tables[:, :num_blocks].long()
     # [B, num_blocks * block_size, Hkv, D]: each sequence's context, padded to max_len.

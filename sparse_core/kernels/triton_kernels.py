@@ -495,9 +495,11 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
-    block_tables [B, max_blocks] (int32, padded), context_lens [B]. `max_context_len` (a bound is
-    enough) avoids a device-to-host sync and, with a fixed `num_splits`, makes the launch
-    capturable in a CUDA graph.
+    block_tables [B, max_blocks] (int32, padded), context_lens [B]. `max_context_len` (an upper
+    bound is enough) avoids a device-to-host sync, so the launch can be captured in a CUDA graph.
+    With split-K, keys past it are not read: under a graph replayed as contexts grow, pass a bound
+    valid for every replay (e.g. max_blocks * block_size) and a fixed `num_splits`. Unsplit, the
+    whole context is read whatever the bound.
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -513,12 +515,13 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
     block_n, num_warps, num_stages = _decode_tiles(q)
-    tokens_per_split = (
-        triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), block_n) * block_n
-    )
-    num_splits = triton.cdiv(max(max_context_len, 1), tokens_per_split)
-    group = num_q // num_kv
+    max_len = max(max_context_len, 1)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, tokens_per_split)
     split = num_splits > 1
+    if not split:
+        tokens_per_split = 1 << 30  # one split covers any context, bound or not
+    group = num_q // num_kv
     if split:
         part_out = torch.empty(
             batch, num_q, num_splits, head_dim, dtype=torch.float32, device=q.device

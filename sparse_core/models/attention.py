@@ -34,6 +34,8 @@ class GroupStepMetadata:
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
+    # A bound on context_lens known on the host: no device sync, and fixed under CUDA graphs.
+    max_context_len: int | None = None
     compress: list[CompressJob] = field(default_factory=list)
 
 
@@ -79,7 +81,13 @@ class PagedAttention(nn.Module):
         if not meta.is_prefill:
             ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
             return ops.paged_decode_attention(
-                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                group.block_tables,
+                group.context_lens,
+                self.scale,
+                group.max_context_len,
             )
         out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale)
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
@@ -96,11 +104,5 @@ class PagedAttention(nn.Module):
                 ops,
                 self.generator,
             )
-            ops.store_kv(
-                ops.gather_tokens(keys, kept),
-                ops.gather_tokens(values, kept),
-                self.k_cache,
-                self.v_cache,
-                job.kept_slots,
-            )
+            ops.store_selected_kv(keys, values, kept, self.k_cache, self.v_cache, job.kept_slots)
         return out

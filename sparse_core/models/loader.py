@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 from safetensors.torch import load_file
@@ -119,6 +118,8 @@ def _load_dummy(preset: str, overrides: dict[str, Any] | None) -> ModelSource:
 
 
 def _load_gguf(path: Path, name: str) -> ModelSource:
+    import gguf  # only GGUF models need it
+
     reader = gguf.GGUFReader(path)
 
     def meta(key: str, default: Any = None) -> Any:

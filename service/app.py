@@ -1,0 +1,288 @@
+"""The OpenAI-compatible ASGI app, the same for the standalone server and the Ray Serve ingress.
+
+Only the backend differs: engines in this process (`LocalBackend`) or Ray Serve engine replicas
+(`service.ray_app.RayBackend`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from service.errors import APIError, overloaded
+from service.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, parse
+from service.responses import ChatFormat, Choice, CompletionFormat
+from service.settings import ServerSettings
+from service.streams import Backend, close_all, merge, open_streams
+from service.worker import EngineWorker, GenerateRequest
+
+
+class LocalBackend:
+    """Engines in this process, one per pool."""
+
+    def __init__(self, workers: dict[str, EngineWorker]) -> None:
+        self.workers = workers
+        self._tasks: list[asyncio.Task] = []
+
+    def stream(self, pool: str, request: GenerateRequest) -> AsyncIterator:
+        return self.workers[pool].generate(request)
+
+    async def check_health(self) -> None:
+        stopped = [name for name, w in self.workers.items() if not w.healthy()]
+        if stopped:
+            raise APIError(503, f"engine stopped: {', '.join(stopped)}", code="engine_stopped")
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(w.publish_metrics_forever()) for w in self.workers.values()]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.workers.values():
+            worker.shutdown()
+
+
+class Admission:
+    """A bound on sub-requests in flight, so that overload is answered, not buffered."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.inflight = 0
+
+    def acquire(self, count: int) -> None:
+        if self.inflight + count > self.limit:
+            raise overloaded(
+                f"the server has {self.inflight} requests in flight (limit {self.limit}); "
+                "retry later"
+            )
+        self.inflight += count
+
+    def release(self, count: int) -> None:
+        self.inflight -= count
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the body iterator however the response ends, so that a client that goes away
+    aborts its requests at once instead of when the generator is garbage-collected."""
+
+    async def stream_response(self, send: Any) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def build_app(
+    backend: Backend, settings: ServerSettings, metrics_registry: Any | None = None
+) -> FastAPI:
+    """The app; `metrics_registry` (prometheus_client) adds `/metrics` (standalone mode)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.stop()
+
+    app = FastAPI(
+        title="kvsparse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    admission = Admission(settings.max_inflight_requests)
+    started = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")  # fmt: skip
+        if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+    async def read_body(request: Request) -> bytes:
+        limit = settings.max_request_bytes
+        too_large = APIError(413, f"request body is larger than {limit} bytes",
+                             code="request_too_large")  # fmt: skip
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limit:
+                raise too_large
+        return bytes(body)
+
+    async def generate(
+        request: Request,
+        req: _SamplingFields,
+        prompts: list[dict[str, Any]],
+        max_tokens: int | None,
+        fmt: CompletionFormat,
+    ) -> Response:
+        if req.model != settings.served_model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                           f"{settings.served_model_name!r}", param="model",
+                           code="model_not_found")  # fmt: skip
+        pool = settings.select_pool(req.kvsparse)
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if len(prompts) * req.n > settings.max_choices:
+            raise APIError(400, f"prompts x n must be at most {settings.max_choices}",
+                           param="n", code="invalid_value")  # fmt: skip
+        choices: list[Choice] = []
+        requests: list[GenerateRequest] = []
+        for p, prompt in enumerate(prompts):
+            for j in range(req.n):
+                choices.append(Choice(index=len(choices), prompt_index=p))
+                seed = req.seed + j if req.seed is not None else None  # n choices that differ
+                requests.append(
+                    GenerateRequest(
+                        request_id=f"{fmt.id}-{len(requests)}",
+                        max_tokens=max_tokens,
+                        temperature=req.temperature,
+                        top_p=req.top_p,
+                        top_k=req.top_k,
+                        seed=seed,
+                        stop=req.stop_list,
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        ignore_eos=req.ignore_eos,
+                        **prompt,
+                    )
+                )
+        admission.acquire(len(requests))
+        try:
+            streams = await open_streams(backend, pool.name, requests)
+        except BaseException:
+            admission.release(len(requests))
+            raise
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def take(index: int, chunk: Any) -> Choice:
+            choice = choices[index]
+            choice.text += chunk.text
+            choice.completion_tokens = chunk.num_tokens
+            choice.prompt_tokens = chunk.prompt_tokens
+            if chunk.finish_reason is not None:
+                choice.finish_reason = chunk.finish_reason
+                choice.compression_ratio = chunk.compression_ratio
+            return choice
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                for obj in fmt.opening(choices):
+                    yield _sse(obj)
+                async with contextlib.aclosing(merge(streams)) as chunks:
+                    async for index, chunk in chunks:
+                        choice = take(index, chunk)
+                        if chunk.text or chunk.finish_reason:
+                            yield _sse(fmt.chunk(choice, chunk.text, chunk.finish_reason))
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(choices))
+                yield "data: [DONE]\n\n"
+            except APIError as exc:  # after the 200 went out: the error is the last event
+                yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
+            finally:
+                admission.release(len(requests))
+                await close_all(streams)
+
+        if req.stream:
+            return _ClosingStreamingResponse(events(), media_type="text/event-stream")
+
+        async def collect() -> None:
+            async with contextlib.aclosing(merge(streams)) as chunks:
+                async for index, chunk in chunks:
+                    take(index, chunk)
+
+        try:
+            await _unless_disconnected(request, collect())
+        finally:
+            admission.release(len(requests))
+            await close_all(streams)
+        return JSONResponse(fmt.response(choices, pool.name))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        authorize(request)
+        req = parse(CompletionRequest, await read_body(request))
+        prompts = [{"prompt": p} for p in req.prompts()]
+        return await generate(request, req, prompts, req.max_tokens, CompletionFormat(req.model))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        authorize(request)
+        req = parse(ChatCompletionRequest, await read_body(request))
+        prompts = [{"messages": req.template_messages()}]
+        return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request)
+        card = {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "kvsparse",
+            "max_model_len": settings.max_model_len,
+            "kvsparse": {"pools": [p.describe() for p in settings.pools]},
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        await backend.check_health()
+        return {"status": "ok"}
+
+    if metrics_registry is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _unless_disconnected(request: Request, work: Any) -> None:
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "client closed the request", code="client_closed_request")
+    task.result()

@@ -1,0 +1,192 @@
+"""Serving metrics (Prometheus names, `kvsparse_` prefix, base units).
+
+The same definitions go to one of two sinks: prometheus_client (standalone: the server's own
+`/metrics`) or `ray.util.metrics` (Ray mode: each node's metrics export port, which is what
+KubeRay's monitors scrape; Ray prefixes every name there with `ray_`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sparse_core.engine.llm_engine import EngineStats
+
+# Buckets follow vLLM's, so dashboards and alerts carry over.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0]  # fmt: skip
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]  # fmt: skip
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+COMPRESSION_BUCKETS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0]
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    kind: str  # counter | gauge | histogram
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+DEFINITIONS = [
+    MetricDef("histogram", "kvsparse_time_to_first_token_seconds",
+              "Time from request arrival to its first generated token.",
+              buckets=tuple(TTFT_BUCKETS)),
+    MetricDef("histogram", "kvsparse_inter_token_latency_seconds",
+              "Time between consecutive generated tokens of a request.",
+              buckets=tuple(ITL_BUCKETS)),
+    MetricDef("histogram", "kvsparse_e2e_request_latency_seconds",
+              "Time from request arrival to its last token.", buckets=tuple(E2E_BUCKETS)),
+    MetricDef("counter", "kvsparse_prompt_tokens_total", "Prompt tokens of finished requests."),
+    MetricDef("counter", "kvsparse_generation_tokens_total", "Generated tokens."),
+    MetricDef("gauge", "kvsparse_num_requests_running", "Requests in the running batch."),
+    MetricDef("gauge", "kvsparse_num_requests_waiting", "Requests waiting for KV memory or a slot."),
+    MetricDef("gauge", "kvsparse_kv_blocks_used", "KV blocks in use, per layer group.",
+              labels=("group",)),
+    MetricDef("gauge", "kvsparse_kv_blocks_free", "KV blocks free, per layer group.",
+              labels=("group",)),
+    MetricDef("histogram", "kvsparse_compression_ratio",
+              "Prompt token-layers over kept token-layers, per finished request (1 = dense).",
+              buckets=tuple(COMPRESSION_BUCKETS)),
+    MetricDef("counter", "kvsparse_num_preemptions_total",
+              "Sequences preempted for lack of KV memory (recomputed later)."),
+    MetricDef("counter", "kvsparse_requests_finished_total",
+              "Requests finished, by reason: stop, length, abort (client gone), error.",
+              labels=("finished_reason",)),
+]  # fmt: skip
+
+
+class _PromMetric:
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+
+    def _child(self, labels: dict[str, str]) -> Any:
+        return self._metric.labels(**labels) if labels else self._metric
+
+    def inc(self, value: float, labels: dict[str, str]) -> None:
+        self._child(labels).inc(value)
+
+    def set(self, value: float, labels: dict[str, str]) -> None:
+        self._child(labels).set(value)
+
+    def observe(self, value: float, labels: dict[str, str]) -> None:
+        self._child(labels).observe(value)
+
+
+class _RayMetric:
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+
+    def inc(self, value: float, labels: dict[str, str]) -> None:
+        self._metric.inc(value, tags=labels)
+
+    def set(self, value: float, labels: dict[str, str]) -> None:
+        self._metric.set(value, tags=labels)
+
+    def observe(self, value: float, labels: dict[str, str]) -> None:
+        self._metric.observe(value, tags=labels)
+
+
+def _prometheus_factory(registry: Any) -> Callable[[MetricDef, tuple[str, ...]], Any]:
+    import prometheus_client as prom
+
+    classes = {"counter": prom.Counter, "gauge": prom.Gauge, "histogram": prom.Histogram}
+
+    def make(d: MetricDef, labels: tuple[str, ...]) -> _PromMetric:
+        kwargs: dict[str, Any] = {"registry": registry}
+        if d.kind == "histogram":
+            kwargs["buckets"] = d.buckets
+        return _PromMetric(classes[d.kind](d.name, d.help, labels, **kwargs))
+
+    return make
+
+
+def _ray_factory() -> Callable[[MetricDef, tuple[str, ...]], Any]:
+    from ray.util import metrics as ray_metrics
+
+    def make(d: MetricDef, labels: tuple[str, ...]) -> _RayMetric:
+        if d.kind == "histogram":
+            return _RayMetric(ray_metrics.Histogram(d.name, d.help, list(d.buckets), labels))
+        cls = ray_metrics.Counter if d.kind == "counter" else ray_metrics.Gauge
+        return _RayMetric(cls(d.name, d.help, labels))
+
+    return make
+
+
+class Metrics:
+    """The process's metric objects; `recorder()` gives one engine's labelled view of them."""
+
+    def __init__(
+        self, make: Callable[[MetricDef, tuple[str, ...]], Any], base_labels: tuple[str, ...]
+    ):
+        self.base_labels = base_labels
+        self._metrics = {d.name: make(d, base_labels + d.labels) for d in DEFINITIONS}
+
+    @classmethod
+    def prometheus(cls, registry: Any) -> Metrics:
+        return cls(_prometheus_factory(registry), ("model_name", "pool"))
+
+    @classmethod
+    def ray(cls) -> Metrics:
+        return cls(_ray_factory(), ("model_name", "pool", "replica"))
+
+    def recorder(self, **labels: str) -> MetricsRecorder:
+        if set(labels) != set(self.base_labels):
+            raise ValueError(f"labels must be {self.base_labels}, got {sorted(labels)}")
+        return MetricsRecorder(self._metrics, labels)
+
+
+class MetricsRecorder:
+    """What an engine worker records, with its labels (model, pool, replica) applied."""
+
+    def __init__(self, metrics: dict[str, Any], labels: dict[str, str]) -> None:
+        self._m = metrics
+        self._labels = labels
+        self._preemptions_seen = 0
+
+    def _with(self, **extra: str) -> dict[str, str]:
+        return {**self._labels, **extra}
+
+    def first_token(self, seconds: float) -> None:
+        self._m["kvsparse_time_to_first_token_seconds"].observe(seconds, self._labels)
+
+    def tokens(self, count: int, seconds_since_previous: float | None) -> None:
+        """`count` new tokens of a request; the gap is spread evenly over them."""
+        self._m["kvsparse_generation_tokens_total"].inc(count, self._labels)
+        if seconds_since_previous is not None:
+            for _ in range(count):
+                self._m["kvsparse_inter_token_latency_seconds"].observe(
+                    seconds_since_previous / count, self._labels
+                )
+
+    def prompt_tokens(self, count: int) -> None:
+        """Counted once the prompt is prefilled (a recomputation after preemption is not)."""
+        self._m["kvsparse_prompt_tokens_total"].inc(count, self._labels)
+
+    def finished(self, reason: str, seconds: float, compression_ratio: float | None) -> None:
+        self._m["kvsparse_requests_finished_total"].inc(1, self._with(finished_reason=reason))
+        self._m["kvsparse_e2e_request_latency_seconds"].observe(seconds, self._labels)
+        if compression_ratio is not None:
+            self._m["kvsparse_compression_ratio"].observe(compression_ratio, self._labels)
+
+    def failed(self) -> None:
+        """A request the engine refused (invalid for it) or that failed while generating."""
+        self._m["kvsparse_requests_finished_total"].inc(1, self._with(finished_reason="error"))
+
+    def engine_state(self, stats: EngineStats) -> None:
+        self._m["kvsparse_num_requests_running"].set(stats.num_running, self._labels)
+        self._m["kvsparse_num_requests_waiting"].set(stats.num_waiting, self._labels)
+        for group, blocks in stats.kv_blocks.items():
+            labels = self._with(group=group)
+            self._m["kvsparse_kv_blocks_used"].set(blocks["used"], labels)
+            self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
+        new = stats.num_preemptions - self._preemptions_seen
+        if new > 0:
+            self._m["kvsparse_num_preemptions_total"].inc(new, self._labels)
+            self._preemptions_seen = stats.num_preemptions

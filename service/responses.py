@@ -1,0 +1,138 @@
+"""OpenAI response bodies for completions and chat, whole or as stream chunks."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class Choice:
+    """One choice as it accumulates while its chunks arrive."""
+
+    index: int
+    prompt_index: int
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    compression_ratio: float = 1.0
+
+
+def usage(choices: list[Choice]) -> dict[str, int]:
+    """Prompt tokens count once per prompt, whatever `n` is (as OpenAI counts them)."""
+    prompt = sum({c.prompt_index: c.prompt_tokens for c in choices}.values())
+    completion = sum(c.completion_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def kvsparse_summary(pool: str, choices: list[Choice]) -> dict[str, Any]:
+    """The response's `kvsparse` extension: the pool that answered and the prompt compression
+    (prompt token-layers over kept token-layers, over all choices)."""
+    kept = sum(c.prompt_tokens / c.compression_ratio for c in choices if c.compression_ratio)
+    total = sum(c.prompt_tokens for c in choices)
+    return {"pool": pool, "compression_ratio": round(total / kept, 4) if kept else 1.0}
+
+
+class CompletionFormat:
+    object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, model: str) -> None:
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        return []
+
+    def chunk(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+        return self._envelope(
+            self.object,
+            [
+                {
+                    "index": choice.index,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+        )
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        return {**self._envelope(self.object, []), "usage": usage(choices)}
+
+    def response(self, choices: list[Choice], pool: str) -> dict[str, Any]:
+        body = self._envelope(self.object, [self._choice(c) for c in choices])
+        return {**body, "usage": usage(choices), "kvsparse": kvsparse_summary(pool, choices)}
+
+    def _choice(self, c: Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+        }
+
+
+class ChatFormat(CompletionFormat):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """The role comes first, as in OpenAI's streams."""
+        return [
+            self._envelope(
+                self.chunk_object,
+                [
+                    {
+                        "index": c.index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for c in choices
+        ]
+
+    def chunk(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        return self._envelope(
+            self.chunk_object,
+            [
+                {
+                    "index": choice.index,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish_reason,
+                }
+            ],
+        )
+
+    def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object, []), "usage": usage(choices)}
+
+    def _choice(self, c: Choice) -> dict[str, Any]:
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+        }

@@ -1,0 +1,222 @@
+"""One engine behind the HTTP layer: prompt preparation, validation, streaming, metrics.
+
+The same class runs in the standalone server's process and inside each Ray Serve engine replica;
+everything it takes and yields is plain data so that it can cross a process boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.async_engine import AsyncLLM
+from sparse_core.engine.sampling_params import SamplingParams
+
+from service.errors import APIError
+from service.metrics import MetricsRecorder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateRequest:
+    """One prompt of an OpenAI request; `n` choices are `n` requests with their own ids."""
+
+    request_id: str
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    messages: list[dict[str, str]] | None = None  # chat: rendered with the model's template
+    max_tokens: int | None = None  # None: whatever the context leaves
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass
+class Chunk:
+    """New text since the previous chunk. The first chunk of a stream (no text, no tokens) says
+    the request passed validation; the last one carries the finish reason."""
+
+    text: str
+    num_tokens: int  # generated so far
+    prompt_tokens: int
+    finish_reason: str | None = None
+    compression_ratio: float = 1.0
+
+
+@dataclass
+class RoutingStats:
+    """What a replica tells the router (see service/router.py)."""
+
+    kv_free_fraction: float  # of the fullest layer group: admission needs room in every group
+    kv_per_request_fraction: float  # KV one more request is expected to take
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+
+
+class EngineWorker:
+    def __init__(self, llm: AsyncLLM, metrics: MetricsRecorder, log_prompts: bool = False) -> None:
+        self.llm = llm
+        self.metrics = metrics
+        self.log_prompts = log_prompts
+        self.max_model_len = llm.engine.config.max_model_len
+
+    @classmethod
+    def start(
+        cls,
+        engine_config: EngineConfig,
+        sparsity: SparsityConfig,
+        metrics: MetricsRecorder,
+        log_prompts: bool = False,
+    ) -> EngineWorker:
+        return cls(AsyncLLM.from_config(engine_config, sparsity), metrics, log_prompts)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        """Chunks of one request; APIError before the first chunk if the request is invalid."""
+        arrival = time.monotonic()
+        try:
+            prompt_ids, params = self._validate(req)
+        except APIError:
+            self.metrics.failed()
+            raise
+        if self.log_prompts:
+            logger.info("request %s prompt: %r", req.request_id, req.prompt or req.messages)
+
+        n_prompt = len(prompt_ids)
+        yield Chunk("", 0, n_prompt)
+        # Text that may still turn out to start a stop string is held back until it cannot.
+        hold = max((len(s) for s in params.stop), default=1) - 1
+        sent_chars = sent_tokens = 0
+        last_token_time: float | None = None
+        reason = "abort"  # unless the engine says otherwise: the consumer went away
+        try:
+            async with contextlib.aclosing(
+                self.llm.generate(prompt_ids, params, request_id=req.request_id)
+            ) as outputs:
+                async for out in outputs:
+                    now = time.monotonic()
+                    new_tokens = len(out.token_ids) - sent_tokens
+                    if new_tokens > 0:
+                        if sent_tokens == 0:
+                            self.metrics.first_token(now - arrival)
+                            self.metrics.prompt_tokens(n_prompt)
+                        gap = now - last_token_time if last_token_time is not None else None
+                        self.metrics.tokens(new_tokens, gap)
+                        last_token_time = now
+                    sent_tokens = len(out.token_ids)
+                    end = len(out.text) if out.finished else max(sent_chars, len(out.text) - hold)
+                    text, sent_chars = out.text[sent_chars:end], end
+                    if out.finished:
+                        reason = out.finish_reason or "stop"
+                        self.metrics.finished(reason, now - arrival, out.compression_ratio)
+                        yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio)
+                        return
+                    if text:
+                        yield Chunk(text, sent_tokens, n_prompt)
+        except Exception as exc:
+            reason = "error"
+            logger.warning("request %s failed: %s", req.request_id, exc)
+            raise APIError(500, f"generation failed: {exc}", code="engine_error") from None
+        finally:
+            if reason == "abort":
+                self.metrics.finished("abort", time.monotonic() - arrival, None)
+            elif reason == "error":
+                self.metrics.failed()
+            self.metrics.engine_state(self.llm.stats())
+
+    def _validate(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        prompt_ids, param = self._prompt_ids(req)
+        params = self._sampling_params(req, len(prompt_ids))
+        try:
+            # Validate eagerly (KV capacity, ids) so that errors are 4xx before streaming starts;
+            # AsyncLLM.generate validates again, lazily, on its first step.
+            self.llm.engine.make_sequence(req.request_id, prompt_ids, params)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from None
+        return prompt_ids, params
+
+    def _prompt_ids(self, req: GenerateRequest) -> tuple[list[int], str]:
+        tokenizer = self.llm.tokenizer
+        param = "messages" if req.messages is not None else "prompt"
+        try:
+            if req.messages is not None:
+                prompt: str | list[int] = tokenizer.apply_chat_template(req.messages)
+            else:
+                prompt = req.prompt if req.prompt is not None else ""
+            if isinstance(prompt, str):
+                ids = tokenizer.encode(prompt) if prompt else []
+            else:
+                ids = list(prompt)
+        except ValueError as exc:  # no tokenizer, no chat template
+            raise APIError(400, str(exc), param=param) from None
+        if not ids:
+            raise APIError(400, f"{param} is empty", param=param)
+        if len(ids) >= self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(ids)} tokens (at least one must be left to generate)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return ids, param
+
+    def _sampling_params(self, req: GenerateRequest, n_prompt: int) -> SamplingParams:
+        room = self.max_model_len - n_prompt
+        max_tokens = room if req.max_tokens is None else req.max_tokens
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n_prompt + max_tokens} were requested ({n_prompt} in the prompt, {max_tokens} "
+                f"for the completion)",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                top_k=req.top_k,
+                seed=req.seed,
+                stop=list(req.stop),
+                stop_token_ids=list(req.stop_token_ids),
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+
+    # -- state --------------------------------------------------------------------------------
+
+    def routing_stats(self) -> RoutingStats:
+        stats = self.llm.stats()
+        free = min(
+            (g["free"] / g["total"] for g in stats.kv_blocks.values() if g["total"]), default=1.0
+        )
+        max_seqs = self.llm.engine.config.max_num_seqs
+        per_request = (1.0 - free) / stats.num_running if stats.num_running else 1.0 / max_seqs
+        return RoutingStats(free, per_request, stats.num_running, stats.num_waiting, max_seqs)
+
+    def healthy(self) -> bool:
+        return self.llm._thread.is_alive()
+
+    async def publish_metrics_forever(self, interval_s: float = 1.0) -> None:
+        """Engine gauges (running, waiting, KV blocks) also move while no request is answered."""
+        while True:
+            self.metrics.engine_state(self.llm.stats())
+            await asyncio.sleep(interval_s)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

@@ -1,0 +1,248 @@
+"""Offline throughput: N random prompts of a fixed length in, a fixed number of tokens out.
+
+`kvsparse bench throughput --model dummy:llama3-8b --policies dense,snapkv,pyramid
+--gpu-memory-limit-gb 24` runs each policy in turn on the same GPU and prints one table; the
+JSON (`--json`) keeps every figure, including decode-step times per batch size and their
+fraction of the bandwidth roofline (DESIGN.md §4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.llm_engine import LLMEngine, StepRecord
+from sparse_core.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RunResult:
+    label: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    seconds: float
+    output_tok_s: float
+    total_tok_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    peak_running: int
+    num_preemptions: int
+    kv_blocks: dict[str, int]  # blocks per layer group
+    kv_cache_gib: float
+    prefill_s_per_4k_tokens: float
+    decode_by_batch: list[dict] = field(default_factory=list)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second: the decode roofline."""
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    return 2 * src.numel() * 10 / (time.perf_counter() - start)
+
+
+def decode_table(
+    records: list[StepRecord], weight_bytes: int, kv_bytes_per_token_layer: int, bandwidth: float
+) -> list[dict]:
+    """Median decode-step time per batch size and the bandwidth it achieves."""
+    by_batch: dict[int, list[StepRecord]] = {}
+    for r in records:
+        if not r.is_prefill:
+            by_batch.setdefault(r.num_seqs, []).append(r)
+    rows = []
+    for batch in sorted(by_batch):
+        steps = by_batch[batch]
+        t = statistics.median(r.seconds for r in steps)
+        kv = statistics.median(r.kv_token_layers for r in steps) * kv_bytes_per_token_layer
+        achieved = (weight_bytes + kv) / t
+        rows.append(
+            {
+                "batch": batch,
+                "steps": len(steps),
+                "step_ms": round(t * 1e3, 3),
+                "tok_s": round(batch / t, 1),
+                "bytes_gb": round((weight_bytes + kv) / 1e9, 3),
+                "roofline_fraction": round(achieved / bandwidth, 3) if bandwidth else None,
+            }
+        )
+    return rows
+
+
+def run_one(
+    label: str,
+    engine_config: EngineConfig,
+    sparsity: SparsityConfig,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    bandwidth: float,
+    seed: int = 0,
+) -> RunResult:
+    engine = LLMEngine(engine_config, sparsity)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+    # Warm-up: one short request compiles the prefill and sampling paths.
+    engine.add_request("warmup", prompts[0][:256], SamplingParams(max_tokens=4))
+    while engine.has_unfinished:
+        engine.step()
+    engine.step_records = []
+    start = time.monotonic()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finished, peak = [], 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                out.finish_time = time.monotonic()
+                finished.append(out)
+        peak = max(peak, len(engine.scheduler.running))
+    elapsed = time.monotonic() - start
+    ttft = [o.first_token_time - start for o in finished]
+    tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in finished]
+    runner = engine.runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    prefill = [r for r in engine.step_records if r.is_prefill]
+    stats = engine.stats()
+    result = RunResult(
+        label=label,
+        num_prompts=num_prompts,
+        input_len=input_len,
+        output_len=output_len,
+        seconds=round(elapsed, 2),
+        output_tok_s=round(num_prompts * output_len / elapsed, 1),
+        total_tok_s=round(num_prompts * (input_len + output_len) / elapsed, 1),
+        ttft_p50_s=round(percentile(ttft, 0.5), 3),
+        ttft_p99_s=round(percentile(ttft, 0.99), 3),
+        tpot_p50_s=round(percentile(tpot, 0.5), 4),
+        peak_running=peak,
+        num_preemptions=stats.num_preemptions,
+        kv_blocks={g: b["total"] for g, b in stats.kv_blocks.items()},
+        kv_cache_gib=round(
+            sum(
+                b["total"] * len(g.layers) * engine.config.block_size
+                for g, b in zip(engine.plan.groups, stats.kv_blocks.values(), strict=True)
+            )
+            * runner.bytes_per_token_per_layer()
+            / 2**30,
+            2,
+        ),
+        prefill_s_per_4k_tokens=round(
+            4000 * sum(r.seconds for r in prefill) / max(1, sum(r.num_tokens for r in prefill)), 4
+        ),
+        decode_by_batch=decode_table(
+            engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
+        ),
+    )
+    del engine, runner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def sparsity_for(policy: str, args: argparse.Namespace) -> SparsityConfig:
+    if policy == "dense":
+        return SparsityConfig(policy="dense")
+    return SparsityConfig(
+        policy=policy, budget=args.budget, window=args.window, full_layers=args.full_layers
+    )
+
+
+def print_table(results: list[RunResult]) -> None:
+    head = (
+        f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
+        f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'prefill/4k':>11}"
+    )
+    print(head)
+    for r in results:
+        print(
+            f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
+            f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
+            f"{r.kv_cache_gib:>7.1f}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="dummy:llama3-8b")
+    parser.add_argument("--policies", default="dense,snapkv,pyramid")
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--input-len", type=int, default=4000)
+    parser.add_argument("--output-len", type=int, default=500)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--full-layers", type=int, default=3)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4608)
+    parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--json", default=None, help="write all results here")
+
+
+def main(args: argparse.Namespace) -> int:
+    on_gpu = torch.cuda.is_available()
+    device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    # No roofline on CPU: the run is then only a smoke test of the benchmark itself.
+    bandwidth = measure_copy_bandwidth(torch.device("cuda")) if on_gpu else 0.0
+    print(f"device {device_name}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    results = []
+    cap = f"cap {args.gpu_memory_limit_gb:g}G" if args.gpu_memory_limit_gb else "uncapped"
+    for policy in args.policies.split(","):
+        config = EngineConfig(
+            model=args.model,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            gpu_memory_limit_gb=args.gpu_memory_limit_gb,
+            expected_input_len=args.input_len,
+            expected_output_len=args.output_len,
+            enforce_eager=args.enforce_eager,
+        )
+        result = run_one(
+            f"{policy} {cap}",
+            config,
+            sparsity_for(policy, args),
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            bandwidth,
+        )
+        results.append(result)
+        print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "device": device_name,
+                    "copy_bandwidth": bandwidth,
+                    "results": [asdict(r) for r in results],
+                },
+                f,
+                indent=1,
+            )
+    print_table(results)
+    return 0

@@ -1,0 +1,109 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a 32-layer model launches hundreds of small kernels; replaying a captured graph
+removes their launch cost. Everything a step reads lives in static buffers: token ids, positions,
+and for every layer group its slot mapping, block tables and context lengths. A batch runs in the
+smallest bucket that holds it; padding rows write nowhere (slot -1) and attend to one token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_core.models.attention import GroupStepMetadata, StepMetadata
+from sparse_core.models.llama import LlamaForCausalLM
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    small = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    return small + list(range(16, max_num_seqs, 16)) + [max_num_seqs]
+
+
+@dataclass
+class DecodeBatch:
+    """Host-side description of a decode step (what the model runner computed)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[list[int]]  # per group, per sequence
+    block_tables: list[list[list[int]]]  # per group, per sequence
+    context_lens: list[list[int]]  # per group, per sequence
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_groups: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        max_context_len: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.max_context_len = max_context_len
+        m = max_num_seqs
+        self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(m, dtype=torch.int64, device=device)
+        self.slots = torch.full((num_groups, m), -1, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(
+            (num_groups, m, max_blocks_per_seq), dtype=torch.int32, device=device
+        )
+        self.lens = torch.ones((num_groups, m), dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.buckets = batch_buckets(max_num_seqs)
+
+    def _meta(self, batch: int) -> StepMetadata:
+        groups = [
+            GroupStepMetadata(
+                slot_mapping=self.slots[g, :batch],
+                block_tables=self.tables[g, :batch],
+                context_lens=self.lens[g, :batch],
+                max_context_len=self.max_context_len,
+            )
+            for g in range(self.slots.shape[0])
+        ]
+        return StepMetadata(is_prefill=False, groups=groups)
+
+    def _forward(self, batch: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        pool = None
+        for batch in reversed(self.buckets):
+            self._forward(batch)  # warm-up: Triton compiles and autotunes outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(batch)
+            pool = graph.pool()
+            self.graphs[batch] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def run(self, step: DecodeBatch) -> torch.Tensor:
+        """Logits [B, V] of the step (a view into the graph's output buffer)."""
+        batch = len(step.input_ids)
+        bucket = next(b for b in self.buckets if b >= batch)
+        self.input_ids[:batch].copy_(torch.tensor(step.input_ids), non_blocking=True)
+        self.positions[:batch].copy_(torch.tensor(step.positions), non_blocking=True)
+        for g, tables in enumerate(step.block_tables):
+            width = max(len(t) for t in tables)
+            padded = torch.zeros((batch, width), dtype=torch.int32)
+            for row, table in enumerate(tables):
+                padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+            self.tables[g, :batch, :width].copy_(padded, non_blocking=True)
+            self.slots[g, :batch].copy_(torch.tensor(step.slots[g]), non_blocking=True)
+            self.lens[g, :batch].copy_(
+                torch.tensor(step.context_lens[g], dtype=torch.int32), non_blocking=True
+            )
+        # Padding rows: no write, one token of context.
+        self.slots[:, batch:bucket].fill_(-1)
+        self.lens[:, batch:bucket].fill_(1)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:batch]
