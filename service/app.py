@@ -1,7 +1,7 @@
 """The OpenAI-compatible ASGI app, the same for the standalone server and the Ray Serve ingress.
 
-Only the backend differs: engines in this process (`LocalBackend`) or Ray Serve engine replicas
-(`service.ray_app.RayBackend`).
+Only the backend differs: engines in this process (`service.standalone.LocalBackend`) or Ray Serve
+engine replicas (`service.ray_app.RayBackend`).
 """
 
 from __future__ import annotations
@@ -20,36 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from service.errors import APIError, overloaded
+from service.messages import GenerateRequest
 from service.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, parse
 from service.responses import ChatFormat, Choice, CompletionFormat
 from service.settings import ServerSettings
 from service.streams import Backend, close_all, merge, open_streams
-from service.worker import EngineWorker, GenerateRequest
-
-
-class LocalBackend:
-    """Engines in this process, one per pool."""
-
-    def __init__(self, workers: dict[str, EngineWorker]) -> None:
-        self.workers = workers
-        self._tasks: list[asyncio.Task] = []
-
-    def stream(self, pool: str, request: GenerateRequest) -> AsyncIterator:
-        return self.workers[pool].generate(request)
-
-    async def check_health(self) -> None:
-        stopped = [name for name, w in self.workers.items() if not w.healthy()]
-        if stopped:
-            raise APIError(503, f"engine stopped: {', '.join(stopped)}", code="engine_stopped")
-
-    async def start(self) -> None:
-        self._tasks = [asyncio.create_task(w.publish_metrics_forever()) for w in self.workers.values()]
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for worker in self.workers.values():
-            worker.shutdown()
 
 
 class Admission:
@@ -199,8 +174,7 @@ def build_app(
                 async with contextlib.aclosing(merge(streams)) as chunks:
                     async for index, chunk in chunks:
                         choice = take(index, chunk)
-                        if chunk.text or chunk.finish_reason:
-                            yield _sse(fmt.chunk(choice, chunk.text, chunk.finish_reason))
+                        yield _sse(fmt.chunk(choice, chunk.text, chunk.finish_reason))
                 if include_usage:
                     yield _sse(fmt.usage_chunk(choices))
                 yield "data: [DONE]\n\n"

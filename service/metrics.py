@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sparse_core.engine.llm_engine import EngineStats
+if TYPE_CHECKING:
+    from sparse_core.engine.llm_engine import EngineStats
 
 # Buckets follow vLLM's, so dashboards and alerts carry over.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -158,13 +158,22 @@ def parse(model: type[_SamplingFields], body: bytes) -> Any:
     return request
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def _as_api_error(exc: ValidationError) -> APIError:
     error = exc.errors(include_url=False)[0]
     if error["type"] == "json_invalid":
         return APIError(400, f"request body is not valid JSON: {error['msg']}", code="invalid_json")
     if error["type"] == "model_type" and not error["loc"]:
         return APIError(400, "request body must be a JSON object", code="invalid_json")
-    loc = [str(part) for part in error["loc"]]
+    # Union members appear in the location as type tags ("str", "list[int]", "TextPart"): drop them.
+    loc = [
+        str(part)
+        for part in error["loc"]
+        if isinstance(part, int) or (str(part).isidentifier() and str(part).islower()
+                                     and part not in _TYPE_TAGS)
+    ]  # fmt: skip
     param = loc[0] if loc else None
     code = "missing_required_parameter" if error["type"] == "missing" else "invalid_type"
     if error["type"].endswith(

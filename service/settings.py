@@ -10,43 +10,50 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
-from sparse_core.config import SparsityConfig
+from typing import TYPE_CHECKING
 
 from service.errors import APIError
 from service.protocol import KVSparseOptions
 
+if TYPE_CHECKING:
+    from sparse_core.config import SparsityConfig
 
-@dataclass
+
+@dataclass(frozen=True)
 class PoolSpec:
-    sparsity: SparsityConfig
+    """A pool as the HTTP layer sees it (no engine imports: the Ray ingress stays torch-free)."""
+
+    policy: str
+    budget: int | None  # None: dense
+
+    @classmethod
+    def of(cls, sparsity: SparsityConfig) -> PoolSpec:
+        return cls(sparsity.policy, sparsity.budget if sparsity.compresses else None)
 
     @property
     def name(self) -> str:
-        s = self.sparsity
-        return s.policy if not s.compresses else f"{s.policy}-{s.budget}"
+        return self.policy if self.budget is None else f"{self.policy}-{self.budget}"
 
     def describe(self) -> dict[str, object]:
-        s = self.sparsity
-        return {"name": self.name, "policy": s.policy, "budget": s.budget if s.compresses else None}
+        return {"name": self.name, "policy": self.policy, "budget": self.budget}
 
 
-def parse_pools(text: str | None, base: SparsityConfig) -> list[PoolSpec]:
+def parse_pools(text: str | None, base: SparsityConfig) -> list[SparsityConfig]:
     """`"snapkv,dense,snapkv:256"`: POLICY[:BUDGET] entries on top of the base sparsity flags;
     None or empty: the base configuration alone."""
     if not text:
-        return [PoolSpec(base)]
+        return [base]
     pools = []
     for entry in text.split(","):
         policy, _, budget = entry.strip().partition(":")
-        try:
-            changes: dict[str, object] = {"policy": policy}
-            if budget:
+        changes: dict[str, object] = {"policy": policy}
+        if budget:
+            try:
                 changes["budget"] = int(budget)
-        except ValueError:
-            raise ValueError(f"pool {entry!r}: the budget must be an integer") from None
-        pools.append(PoolSpec(dataclasses.replace(base, **changes)))
-    names = [p.name for p in pools]
+            except ValueError:
+                raise ValueError(f"pool {entry!r}: the budget must be an integer") from None
+        pools.append(dataclasses.replace(base, **changes))
+    names = [PoolSpec.of(p).name for p in pools]
     if len(set(names)) != len(names):
         raise ValueError(f"pools must differ: {names}")
     return pools
@@ -68,18 +75,11 @@ class ServerSettings:
         if options is None or (options.policy is None and options.budget is None):
             return self.pools[0]
         for pool in self.pools:
-            s = pool.sparsity
-            if options.policy not in (None, s.policy):
-                continue
-            if options.budget is not None and (not s.compresses or s.budget != options.budget):
-                continue
-            return pool
+            if options.policy in (None, pool.policy) and options.budget in (None, pool.budget):
+                return pool
         asked = ", ".join(f"{k}={v}" for k, v in options.model_dump(exclude_none=True).items())
         served = "; ".join(
-            p.name
-            if not p.sparsity.compresses
-            else f"{p.sparsity.policy} budget {p.sparsity.budget}"
-            for p in self.pools
+            p.policy if p.budget is None else f"{p.policy} budget {p.budget}" for p in self.pools
         )
         raise APIError(
             400,

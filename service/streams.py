@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from service.worker import Chunk, GenerateRequest
+from service.messages import Chunk, GenerateRequest
 
 
 class Backend(Protocol):

@@ -11,56 +11,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
+from service.errors import APIError
+from service.messages import Chunk, GenerateRequest, RoutingStats
+from service.metrics import MetricsRecorder
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.async_engine import AsyncLLM
 from sparse_core.engine.sampling_params import SamplingParams
 
-from service.errors import APIError
-from service.metrics import MetricsRecorder
-
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateRequest:
-    """One prompt of an OpenAI request; `n` choices are `n` requests with their own ids."""
-
-    request_id: str
-    prompt: str | list[int] | None = None  # completions: text or token ids
-    messages: list[dict[str, str]] | None = None  # chat: rendered with the model's template
-    max_tokens: int | None = None  # None: whatever the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-
-
-@dataclass
-class Chunk:
-    """New text since the previous chunk. The first chunk of a stream (no text, no tokens) says
-    the request passed validation; the last one carries the finish reason."""
-
-    text: str
-    num_tokens: int  # generated so far
-    prompt_tokens: int
-    finish_reason: str | None = None
-    compression_ratio: float = 1.0
-
-
-@dataclass
-class RoutingStats:
-    """What a replica tells the router (see service/router.py)."""
-
-    kv_free_fraction: float  # of the fullest layer group: admission needs room in every group
-    kv_per_request_fraction: float  # KV one more request is expected to take
-    num_running: int
-    num_waiting: int
-    max_num_seqs: int
 
 
 class EngineWorker:
@@ -122,7 +81,7 @@ class EngineWorker:
                         self.metrics.finished(reason, now - arrival, out.compression_ratio)
                         yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio)
                         return
-                    if text:
+                    if new_tokens > 0:  # one chunk per step, like OpenAI's chunk per token
                         yield Chunk(text, sent_tokens, n_prompt)
         except Exception as exc:
             reason = "error"

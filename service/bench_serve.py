@@ -1,0 +1,205 @@
+"""`kvsparse bench serve`: closed-loop load against any OpenAI-compatible server (ours, vLLM...).
+
+At each concurrency level C, C clients each keep one streaming request in flight until each has
+sent `--requests-per-client`. Prompts are random token ids (exactly `--input-len` tokens, no
+tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
+extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
+(TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    prompt_tokens: int
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    errors: int
+    wall_s: float
+    output_tok_per_s: float
+    total_tok_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    ttft_max_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    e2e_p50_s: float
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+async def one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    start = time.perf_counter()
+    ttft = None
+    usage = None
+    stream = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=output_len,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if ttft is None and chunk.choices:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            usage = chunk.usage
+    e2e = time.perf_counter() - start
+    if usage is None:
+        raise RuntimeError("the server sent no usage (stream_options.include_usage)")
+    return RequestResult(ttft if ttft is not None else e2e, e2e, usage.completion_tokens,
+                         usage.prompt_tokens)  # fmt: skip
+
+
+async def run_level(
+    client, model: str, concurrency: int, per_client: int, args: argparse.Namespace, rng
+) -> LevelResult:
+    lo, hi = args.token_range
+    prompts = [
+        [rng.randrange(lo, hi) for _ in range(args.input_len)]
+        for _ in range(concurrency * per_client)
+    ]
+    results: list[RequestResult] = []
+    errors: list[str] = []
+
+    async def client_loop(index: int) -> None:
+        for k in range(per_client):
+            try:
+                prompt = prompts[index * per_client + k]
+                results.append(await one_request(client, model, prompt, args.output_len))
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
+    wall = time.perf_counter() - start
+    if errors:
+        print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+    ttfts = [r.ttft_s for r in results]
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in results)
+    all_tokens = out_tokens + sum(r.prompt_tokens for r in results)
+    return LevelResult(
+        concurrency=concurrency,
+        requests=len(results),
+        errors=len(errors),
+        wall_s=round(wall, 3),
+        output_tok_per_s=round(out_tokens / wall, 2),
+        total_tok_per_s=round(all_tokens / wall, 2),
+        ttft_p50_s=round(percentile(ttfts, 50), 4),
+        ttft_p99_s=round(percentile(ttfts, 99), 4),
+        ttft_max_s=round(max(ttfts, default=float("nan")), 4),
+        tpot_p50_s=round(percentile(tpots, 50), 5),
+        tpot_p99_s=round(percentile(tpots, 99), 5),
+        e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
+    )
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(
+        base_url=args.base_url, api_key=args.api_key or "none", max_retries=0,
+        timeout=args.timeout,
+    )  # fmt: skip
+    model = args.model or (await client.models.list()).data[0].id
+    rng = random.Random(args.seed)
+    lo, hi = args.token_range
+    await one_request(client, model, [rng.randrange(lo, hi) for _ in range(args.input_len)], 2)
+    levels = []
+    for concurrency in args.concurrency:
+        per_client = args.requests_per_client or (3 if concurrency <= 10 else 2)
+        level = await run_level(client, model, concurrency, per_client, args, rng)
+        levels.append(level)
+        print(json.dumps(asdict(level)), file=sys.stderr, flush=True)
+    await client.close()
+    return {
+        "base_url": args.base_url,
+        "model": model,
+        "label": args.label,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "levels": [asdict(level) for level in levels],
+    }
+
+
+def table(report: dict) -> str:
+    rows = [
+        "| concurrency | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for lv in report["levels"]:
+        rows.append(
+            f"| {lv['concurrency']} | {lv['requests']} | {lv['output_tok_per_s']:,.0f} | "
+            f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
+            f"{lv['tpot_p50_s'] * 1000:.1f} ms |"
+        )
+    return "\n".join(rows)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--concurrency", type=_ints, default=[1, 5, 10, 20, 40])
+    parser.add_argument("--input-len", type=int, default=4000)
+    parser.add_argument("--output-len", type=int, default=500)
+    parser.add_argument(
+        "--requests-per-client", type=int, default=None, help="default: 3 up to C=10, then 2"
+    )
+    parser.add_argument(
+        "--token-range",
+        type=_token_range,
+        default=(100, 30000),
+        help="LO:HI, random prompt token ids are drawn from [LO, HI) (fits the vocabularies of "
+        "Llama, Mistral, Qwen, SmolLM)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--label", default=None, help="a name for this run in the JSON")
+    parser.add_argument("--output", default=None, help="write the JSON report here")
+    parser.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    report = asyncio.run(run(args))
+    print(table(report))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+    failed = sum(level["errors"] for level in report["levels"])
+    return 1 if failed else 0

@@ -1,0 +1,250 @@
+"""Ray Serve mode: an OpenAI ingress deployment in front of one engine deployment per pool.
+
+`build_app(args)` is the application builder, usable from a Serve config file:
+
+    applications:
+      - name: kvsparse
+        route_prefix: /
+        import_path: service.ray_app:build_app
+        args: {model: smollm2-135m-instruct, min_replicas: 1, max_replicas: 4, ...}
+
+(`RayAppConfig` lists the arguments). `kvsparse serve --ray` builds the same application from its
+flags. Each engine replica wraps one engine; the ingress runs the same ASGI app as the standalone
+server, with `RayBackend` sending requests to the engine replicas through deployment handles
+routed by `service.router.KVCapacityRouter`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.handle import DeploymentHandle
+
+from service.app import build_app as build_asgi_app
+from service.errors import APIError, overloaded
+from service.messages import Chunk, GenerateRequest
+from service.metrics import Metrics
+from service.router import KVCapacityRouter
+from service.settings import PoolSpec, ServerSettings, parse_pools
+
+API_KEY_ENV = "KVSPARSE_API_KEY"
+
+
+@dataclass
+class RayAppConfig:
+    """Arguments of `build_app` (all optional)."""
+
+    model: str = "smollm2-135m-instruct"
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
+    sparsity: dict[str, Any] = field(default_factory=dict)  # SparsityConfig fields
+    pools: str | None = None  # "snapkv,dense,snapkv:256": one engine deployment per entry
+    served_model_name: str | None = None
+    api_key: str | None = None  # else $KVSPARSE_API_KEY in the ingress replicas' environment
+    max_inflight_requests: int = 1024  # per ingress replica
+    max_request_bytes: int = 4 * 2**20
+    log_prompts: bool = False
+    # Engine deployments (each pool scales on its own).
+    min_replicas: int = 1
+    max_replicas: int = 1
+    initial_replicas: int | None = None
+    target_ongoing_requests: float = 16
+    max_ongoing_requests: int | None = None  # per replica; default 2 x max_num_seqs
+    max_queued_requests: int = 256  # per caller, beyond which requests get 503
+    upscale_delay_s: float | None = None  # None: Serve's defaults
+    downscale_delay_s: float | None = None
+    num_cpus_per_replica: float = 1
+    tensor_parallel_size: int = 1  # GPUs reserved per replica (the engine's, if it has one)
+    routing_stats_period_s: float = 1.0
+    ingress_replicas: int = 1
+    ingress_num_cpus: float = 0  # the ingress is I/O bound; engines get the CPUs
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> RayAppConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown kvsparse Serve argument(s) {unknown}; known: {sorted(known)}"
+            )
+        return cls(**args)
+
+
+def replica_resources(tensor_parallel_size: int, num_cpus: float, use_gpu: bool) -> dict[str, Any]:
+    """Deployment options reserving a replica's devices.
+
+    On GPUs, a replica with tensor parallel size N holds one placement-group bundle with N GPUs:
+    the engine starts its tensor-parallel workers as local processes, so all N must be on one
+    node and visible to the replica.
+    """
+    if not use_gpu:
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs GPUs")
+        return {"ray_actor_options": {"num_cpus": num_cpus}}
+    bundle = {"CPU": num_cpus, "GPU": tensor_parallel_size}
+    return {
+        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": tensor_parallel_size},
+        "placement_group_bundles": [bundle],
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
+@serve.deployment(name="KVSparseEngine")
+class EngineDeployment:
+    """One engine per replica."""
+
+    async def __init__(
+        self,
+        engine: dict[str, Any],
+        sparsity: dict[str, Any],
+        served_model_name: str,
+        pool: str,
+        log_prompts: bool,
+    ) -> None:
+        from service.worker import EngineWorker
+        from sparse_core.config import EngineConfig, SparsityConfig
+
+        replica = serve.get_replica_context().replica_id.unique_id
+        recorder = Metrics.ray().recorder(model_name=served_model_name, pool=pool, replica=replica)
+        self.worker = EngineWorker.start(
+            EngineConfig(**engine), SparsityConfig(**sparsity), recorder, log_prompts
+        )
+        self._metrics_task = asyncio.create_task(self.worker.publish_metrics_forever())
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | APIError]:
+        # An APIError is yielded, not raised: Ray would wrap a raised one in its own error type.
+        try:
+            async for chunk in self.worker.generate(request):
+                yield chunk
+        except APIError as exc:
+            yield exc
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.worker.routing_stats())
+
+    def check_health(self) -> None:
+        if not self.worker.healthy():
+            raise RuntimeError("the engine thread has stopped")
+
+    def ping(self) -> bool:
+        return self.worker.healthy()
+
+    def __del__(self) -> None:
+        self.worker.shutdown()
+
+
+class RayBackend:
+    """Requests go to a pool's engine deployment through its handle (and our router)."""
+
+    def __init__(self, engines: dict[str, DeploymentHandle]) -> None:
+        self.engines = engines
+
+    async def stream(self, pool: str, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        from ray.serve.exceptions import BackPressureError
+
+        response = self.engines[pool].options(stream=True).generate.remote(request)
+        done = False
+        try:
+            async for item in response:
+                if isinstance(item, APIError):
+                    raise item
+                yield item
+            done = True
+        except BackPressureError:
+            raise overloaded(
+                f"the {pool} engines' queues are full; retry later", status=503
+            ) from None
+        finally:
+            if not done:
+                response.cancel()  # aborts the request in the replica, freeing its KV blocks
+
+    async def check_health(self) -> None:
+        for pool, handle in self.engines.items():
+            try:
+                healthy = await asyncio.wait_for(handle.ping.remote(), timeout=10)
+            except Exception:
+                healthy = False
+            if not healthy:
+                raise APIError(503, f"no healthy engine for pool {pool}", code="engine_stopped")
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    def __init__(self, engines: dict[str, DeploymentHandle], settings: ServerSettings) -> None:
+        if settings.api_key is None and os.environ.get(API_KEY_ENV):
+            settings = dataclasses.replace(settings, api_key=os.environ[API_KEY_ENV])
+        self._app = build_asgi_app(RayBackend(engines), settings)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+
+def _uses_gpu(device: str | None) -> bool:
+    if device is not None:
+        return device.startswith("cuda")
+    import ray
+
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
+    from sparse_core.config import EngineConfig, SparsityConfig
+
+    cfg = RayAppConfig.from_dict(dict(args))
+    engine = EngineConfig(**{**cfg.engine, "model": cfg.model})
+    pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
+    served_name = cfg.served_model_name or cfg.model
+    tensor_parallel_size = getattr(engine, "tensor_parallel_size", cfg.tensor_parallel_size)
+    autoscaling: dict[str, Any] = {
+        "min_replicas": cfg.min_replicas,
+        "max_replicas": cfg.max_replicas,
+        "target_ongoing_requests": cfg.target_ongoing_requests,
+    }
+    for name in ("initial_replicas", "upscale_delay_s", "downscale_delay_s"):
+        if getattr(cfg, name) is not None:
+            autoscaling[name] = getattr(cfg, name)
+    options = {
+        "autoscaling_config": autoscaling,
+        "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,
+        "max_queued_requests": cfg.max_queued_requests,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=KVCapacityRouter,
+            request_routing_stats_period_s=cfg.routing_stats_period_s,
+            request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 5.0),
+        ),
+        **replica_resources(
+            tensor_parallel_size, cfg.num_cpus_per_replica, _uses_gpu(engine.device)
+        ),
+    }
+    engines = {}
+    for sparsity in pools:
+        pool = PoolSpec.of(sparsity).name
+        engines[pool] = EngineDeployment.options(name=f"KVSparseEngine-{pool}", **options).bind(
+            dataclasses.asdict(engine), dataclasses.asdict(sparsity), served_name, pool,
+            cfg.log_prompts,
+        )  # fmt: skip
+    settings = ServerSettings(
+        served_model_name=served_name,
+        max_model_len=engine.max_model_len,
+        pools=[PoolSpec.of(p) for p in pools],
+        api_key=cfg.api_key,
+        max_inflight_requests=cfg.max_inflight_requests,
+        max_request_bytes=cfg.max_request_bytes,
+    )
+    return OpenAIIngress.options(
+        num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": cfg.ingress_num_cpus}
+    ).bind(engines, settings)

@@ -1,0 +1,136 @@
+"""`kvsparse serve [MODEL]`: the OpenAI-compatible server, standalone or on Ray Serve (`--ray`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+
+from sparse_core import cli as engine_cli
+
+API_KEY_ENV = "KVSPARSE_API_KEY"
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
+    engine_cli.add_engine_args(parser)
+    if "--tensor-parallel-size" not in parser._option_string_actions:
+        # Until the engine has its own flag: here it only sizes Ray's GPU reservation.
+        parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="0.0.0.0")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
+    )
+    server.add_argument("--served-model-name", default=None, help="default: the model argument")
+    server.add_argument(
+        "--pools",
+        default=None,
+        help="sparsity pools requests may choose with 'kvsparse': {'policy', 'budget'}: "
+        "POLICY[:BUDGET],... (default: only the --policy/--budget one)",
+    )
+    server.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=None,
+        help="requests in flight before new ones get 429 (default: 4 x max-num-seqs per pool; "
+        "with --ray, per ingress replica: 1024)",
+    )
+    server.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    server.add_argument("--log-prompts", action="store_true", help="log prompts (off: never)")
+    server.add_argument("--log-level", default="info")
+    ray = parser.add_argument_group("ray serve (--ray)")
+    ray.add_argument("--ray", action="store_true", help="run on Ray Serve")
+    ray.add_argument(
+        "--ray-address", default=None, help="an existing cluster ('auto'); default: start one"
+    )
+    ray.add_argument("--min-replicas", type=int, default=1)
+    ray.add_argument("--max-replicas", type=int, default=1)
+    ray.add_argument("--target-ongoing-requests", type=float, default=16)
+    ray.add_argument("--max-ongoing-requests", type=int, default=None)
+    ray.add_argument("--max-queued-requests", type=int, default=256)
+    ray.add_argument("--num-cpus-per-replica", type=float, default=1)
+    ray.add_argument(
+        "--metrics-export-port",
+        type=int,
+        default=8080,
+        help="Prometheus port of the Ray cluster this command starts",
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_arg:
+        args.model = args.model_arg
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine_config, sparsity = engine_cli.configs_from_args(args)
+    if args.ray:
+        return _serve_ray(args, engine_config, sparsity)
+    return _serve_standalone(args, engine_config, sparsity)
+
+
+def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
+    import uvicorn
+
+    from service.settings import PoolSpec, ServerSettings, parse_pools
+    from service.standalone import build_standalone_app
+
+    pools = parse_pools(args.pools, sparsity)
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        max_model_len=engine_config.max_model_len,
+        pools=[PoolSpec.of(p) for p in pools],
+        api_key=args.api_key or None,
+        max_inflight_requests=args.max_inflight_requests
+        or 4 * engine_config.max_num_seqs * len(pools),
+        max_request_bytes=args.max_request_bytes,
+    )
+    app = build_standalone_app(engine_config, pools, settings, log_prompts=args.log_prompts)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's dashboard token auth
+    import ray
+    from ray import serve
+
+    from service.ray_app import build_app
+
+    engine = dataclasses.asdict(engine_config)
+    engine.pop("model")
+    config = {
+        "model": args.model,
+        "engine": engine,
+        "sparsity": dataclasses.asdict(sparsity),
+        "pools": args.pools,
+        "served_model_name": args.served_model_name,
+        "api_key": args.api_key or None,
+        "max_request_bytes": args.max_request_bytes,
+        "log_prompts": args.log_prompts,
+        "min_replicas": args.min_replicas,
+        "max_replicas": args.max_replicas,
+        "target_ongoing_requests": args.target_ongoing_requests,
+        "max_ongoing_requests": args.max_ongoing_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "num_cpus_per_replica": args.num_cpus_per_replica,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    if args.max_inflight_requests:
+        config["max_inflight_requests"] = args.max_inflight_requests
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:
+        ray.init(_metrics_export_port=args.metrics_export_port)
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(config), name="kvsparse", route_prefix="/", blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
