@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
+from sparse_core.kernels.reference import top_indices
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -116,31 +118,110 @@ def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:
 def select_kept_tokens(
     sparsity: SparsityConfig,
     budget: int,
-    q_win: torch.Tensor,
+    q: torch.Tensor,
     k: torch.Tensor,
-    lse_win: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    bounds: list[tuple[int, int]],
     scale: float,
     ops: KernelOps,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Indices [Hkv, budget] (ascending) of the prompt tokens a layer keeps, per KV head.
+    """Rows of the packed K/V that a layer keeps, per KV head, for several prompts at once.
 
-    q_win [w, Hq, D]: the window queries; k [n, Hkv, D]: the prompt's keys (RoPE applied);
-    lse_win [Hq, w]: the window rows' LSE from the attention kernel, or None to compute it.
-    Only called when the prompt is longer than the budget.
+    q [T, Hq, D] and k [T, Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
+    lse [Hq, T] the attention kernel's row LSE, or None to compute the window rows' LSE here;
+    bounds: the [start, end) of each prompt to compress (each longer than the budget).
+    Returns int64 [Hkv, len(bounds) * budget]: prompt j's kept rows, ascending, in columns
+    [j * budget, (j + 1) * budget). Every step after the scores is batched over the prompts, so
+    the launches per layer do not grow with the number of prompts.
     """
-    n, num_kv = k.shape[0], k.shape[1]
-    window, sinks = sparsity.window, sparsity.sinks
     device = k.device
+    sinks = sparsity.sinks
+    starts = torch.tensor([b[0] for b in bounds], device=device)
+    lengths = torch.tensor([b[1] - b[0] for b in bounds], device=device)
     if sparsity.policy == "streamingllm":
-        recent = torch.arange(n - (budget - sinks), n, device=device)
-        kept = torch.cat([torch.arange(sinks, device=device), recent])
-        return kept.unsqueeze(0).expand(num_kv, -1).contiguous()
+        recent = budget - sinks
+        positions = torch.cat(
+            [
+                torch.arange(sinks, device=device).expand(len(bounds), -1),
+                (lengths - recent).unsqueeze(1) + torch.arange(recent, device=device),
+            ],
+            dim=1,
+        )
+        kept = positions.unsqueeze(1).expand(-1, k.shape[1], -1)
+    else:
+        scores = [_window_scores(sparsity, q, k, lse, b, scale, ops, generator) for b in bounds]
+        kept = _top_tokens(sparsity, budget, scores, lengths)
+    rows = kept + starts.view(-1, 1, 1)  # [S, Hkv, budget]
+    return rows.permute(1, 0, 2).reshape(k.shape[1], -1)
+
+
+def _window_scores(
+    sparsity: SparsityConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    lse: torch.Tensor | None,
+    bounds: tuple[int, int],
+    scale: float,
+    ops: KernelOps,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """[Hkv, n - window] scores of one prompt's non-window tokens."""
+    start, end = bounds
+    window = sparsity.window
     if sparsity.policy == "random":
-        scores = torch.rand(num_kv, n - window, generator=generator, device="cpu").to(device)
-        return ops.select_top_tokens(scores, n, budget, window, sinks)
-    if lse_win is None:
-        lse_win = ops.window_lse(q_win, k, scale)
-    scores = ops.window_scores(q_win, k, lse_win, scale, sparsity.gqa_reduce)
-    pooled = ops.pool_scores(scores, sparsity.pooling, sparsity.kernel_size)
-    return ops.select_top_tokens(pooled, n, budget, window, sinks)
+        scores = torch.rand(k.shape[1], end - start - window, generator=generator)
+        return scores.to(k.device)
+    q_win, keys = q[end - window : end], k[start:end]
+    lse_win = ops.window_lse(q_win, keys, scale) if lse is None else lse[:, end - window : end]
+    return ops.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)
+
+
+def _top_tokens(
+    sparsity: SparsityConfig, budget: int, scores: list[torch.Tensor], lengths: torch.Tensor
+) -> torch.Tensor:
+    """Pool, then keep sinks + window + the best of the rest: [S, Hkv, budget], ascending.
+
+    The batched twin of `reference.pool_scores` + `reference.select_top_tokens` (their test
+    oracle): prompts of different lengths are padded, and padding takes part in nothing.
+    """
+    window, sinks = sparsity.window, sparsity.sinks
+    num_kv = scores[0].shape[0]
+    width = max(s.shape[1] for s in scores)
+    device = scores[0].device
+    padded = torch.zeros(len(scores), num_kv, width, device=device)
+    for i, s in enumerate(scores):
+        padded[i, :, : s.shape[1]] = s
+    index = torch.arange(width, device=device)
+    scored = index < (lengths - window).unsqueeze(1)  # [S, width]: real, non-window tokens
+    pooled = _pool(padded, scored, sparsity.pooling, sparsity.kernel_size)
+    selectable = scored & (index >= sinks)
+    pooled = pooled.masked_fill(~selectable.unsqueeze(1), float("-inf"))
+    top = top_indices(pooled, budget - window - sinks)
+    forced = torch.cat(
+        [
+            torch.arange(sinks, device=device).expand(len(scores), -1),
+            (lengths - window).unsqueeze(1) + torch.arange(window, device=device),
+        ],
+        dim=1,
+    )
+    kept = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
+    return kept.sort(dim=-1).values
+
+
+def _pool(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel_size: int):
+    """Pool [S, Hkv, width] over tokens where `valid` [S, width]; the window never crosses into
+    padding (like count_include_pad=False at a sequence's end)."""
+    if pooling == "none" or kernel_size <= 1:
+        return scores
+    pad = kernel_size // 2
+    flat = scores.flatten(0, 1).unsqueeze(1)  # [S * Hkv, 1, width]
+    mask = valid.unsqueeze(1).expand_as(scores).flatten(0, 1).unsqueeze(1).float()
+    if pooling == "avg":
+        sums = F.avg_pool1d(flat * mask, kernel_size, 1, pad, count_include_pad=True)
+        counts = F.avg_pool1d(mask, kernel_size, 1, pad, count_include_pad=True)
+        return (sums / counts.clamp_min(1e-9)).view_as(scores)
+    if pooling == "max":
+        filled = flat.masked_fill(mask == 0, float("-inf"))
+        return F.max_pool1d(filled, kernel_size, 1, pad).view_as(scores)
+    raise ValueError(f"unknown pooling {pooling!r}")

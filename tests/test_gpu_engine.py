@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -49,6 +51,8 @@ def test_cuda_graphs_match_eager(monkeypatch):
 
 
 def test_memory_limit_sizes_the_kv_cache():
+    gc.collect()
+    torch.cuda.empty_cache()
     llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb=4, max_model_len=2048)
     blocks = llm.engine.stats().kv_blocks["full"]["total"]
     kv_bytes = blocks * 16 * llm.engine.runner.bytes_per_token_per_layer() * 30

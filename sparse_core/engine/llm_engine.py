@@ -85,12 +85,12 @@ class LLMEngine:
         device = self.runner.device
         if device.type != "cuda":
             return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
+        activations = self.runner.profile_activation_bytes()
+        weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         free, total = torch.cuda.mem_get_info(device)
         limit = total * config.gpu_memory_utilization
         if config.gpu_memory_limit_gb is not None:
             limit = min(limit, config.gpu_memory_limit_gb * 2**30)
-        activations = self.runner.profile_activation_bytes()
-        weights = torch.cuda.memory_allocated(device)
         # CUDA context, cuBLAS workspaces and other memory outside torch's allocator.
         outside_torch = (total - free) - torch.cuda.memory_reserved(device)
         graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES

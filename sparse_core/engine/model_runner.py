@@ -9,7 +9,7 @@ from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.sequence import Sequence
 from sparse_core.kernels import get_ops
-from sparse_core.models.attention import CompressJob, GroupStepMetadata, StepMetadata
+from sparse_core.models.attention import CompressJobs, GroupStepMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
 from sparse_core.policy import LayerPlan
@@ -115,13 +115,15 @@ class ModelRunner:
         """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step.
 
         In a group that keeps fewer tokens than the sequence has, its tokens get slot -1 and a
-        CompressJob instead: only the kept tokens ever reach that group's pool.
+        compression job instead: only the kept tokens ever reach that group's pool.
         """
         input_ids: list[int] = []
         positions: list[int] = []
         cu_seqlens = [0]
-        groups = [GroupStepMetadata(slot_mapping=torch.empty(0)) for _ in self.plan.groups]
-        slot_mappings: list[list[int]] = [[] for _ in self.plan.groups]
+        num_groups = len(self.plan.groups)
+        slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
+        compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         for seq in seqs:
             start, n = len(input_ids), len(seq)
             input_ids += seq.token_ids
@@ -133,9 +135,15 @@ class ModelRunner:
                     slot_mappings[g] += slots
                 else:
                     slot_mappings[g] += [-1] * n
-                    groups[g].compress.append(CompressJob(start, start + n, self._tensor(slots)))
-        for g, group in enumerate(groups):
-            group.slot_mapping = self._tensor(slot_mappings[g])
+                    compress_bounds[g].append((start, start + n))
+                    compress_slots[g] += slots
+        groups = [
+            GroupStepMetadata(
+                slot_mapping=self._tensor(slot_mappings[g]),
+                compress=CompressJobs(compress_bounds[g], self._tensor(compress_slots[g])),
+            )
+            for g in range(num_groups)
+        ]
         meta = StepMetadata(is_prefill=True, groups=groups, cu_seqlens=self._tensor(cu_seqlens))
         last = self._tensor([end - 1 for end in cu_seqlens[1:]])
         return self._tensor(input_ids), self._tensor(positions), meta, last

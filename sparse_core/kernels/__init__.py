@@ -22,8 +22,6 @@ class KernelOps:
     prefill_attention: Callable
     window_lse: Callable
     window_scores: Callable
-    pool_scores: Callable
-    select_top_tokens: Callable
     store_kv: Callable
     store_selected_kv: Callable
     paged_decode_attention: Callable
@@ -38,8 +36,6 @@ REFERENCE_OPS = KernelOps(
     prefill_attention=_sdpa_prefill,
     window_lse=reference.window_lse,
     window_scores=reference.window_scores,
-    pool_scores=reference.pool_scores,
-    select_top_tokens=reference.select_top_tokens,
     store_kv=reference.store_kv,
     store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
@@ -54,9 +50,6 @@ def _triton_ops() -> KernelOps:
         prefill_attention=tk.prefill_attention,
         window_lse=reference.window_lse,  # unused: the Triton prefill kernel emits LSE
         window_scores=tk.window_scores,
-        # Pooling and top-k touch Hkv x n floats once: torch's kernels are fine there.
-        pool_scores=reference.pool_scores,
-        select_top_tokens=reference.select_top_tokens,
         store_kv=tk.store_kv,
         store_selected_kv=tk.store_selected_kv,
         paged_decode_attention=tk.paged_decode_attention,

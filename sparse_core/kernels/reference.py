@@ -128,12 +128,18 @@ def select_top_tokens(
     device = pooled.device
     num_top = budget - window - sinks
     middle = pooled[:, sinks : n - window]
-    top = torch.topk(middle, num_top, dim=-1).indices + sinks
+    top = top_indices(middle, num_top) + sinks
     forced = torch.cat(
         [torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)]
     )
     kept = torch.cat([forced.unsqueeze(0).expand(num_kv, -1), top], dim=-1)
     return kept.sort(dim=-1).values
+
+
+def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last axis; ties go to the earlier token (max
+    pooling makes ties common, and a fixed rule keeps batched and single selection equal)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

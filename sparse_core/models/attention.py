@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -13,12 +13,14 @@ from sparse_core.policy import select_kept_tokens
 
 
 @dataclass
-class CompressJob:
-    """One prompt whose K/V a sparse layer group stores compressed: only `kept_slots` are written."""
+class CompressJobs:
+    """The prompts of a prefill step that a sparse layer group stores compressed."""
 
-    start: int  # the prompt's tokens are [start, end) of the packed step
-    end: int
-    kept_slots: torch.Tensor  # [budget] slots of the kept tokens, in order
+    bounds: list[tuple[int, int]]  # each prompt's tokens are [start, end) of the packed step
+    kept_slots: torch.Tensor  # [len(bounds) * budget]: where each prompt's kept tokens go
+
+    def __bool__(self) -> bool:
+        return bool(self.bounds)
 
 
 @dataclass
@@ -36,7 +38,7 @@ class GroupStepMetadata:
     context_lens: torch.Tensor | None = None
     # A bound on context_lens known on the host: no device sync, and fixed under CUDA graphs.
     max_context_len: int | None = None
-    compress: list[CompressJob] = field(default_factory=list)
+    compress: CompressJobs | None = None
 
 
 @dataclass
@@ -91,18 +93,19 @@ class PagedAttention(nn.Module):
             )
         out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale)
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
-        window = self.sparsity.window
-        for job in group.compress:
-            keys, values = k[job.start : job.end], v[job.start : job.end]
-            kept = select_kept_tokens(
+        if group.compress:
+            kept_rows = select_kept_tokens(
                 self.sparsity,
                 self.budget,
-                q[job.end - window : job.end],
-                keys,
-                None if lse is None else lse[:, job.end - window : job.end],
+                q,
+                k,
+                lse,
+                group.compress.bounds,
                 self.scale,
                 ops,
                 self.generator,
             )
-            ops.store_selected_kv(keys, values, kept, self.k_cache, self.v_cache, job.kept_slots)
+            ops.store_selected_kv(
+                k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots
+            )
         return out

@@ -1,0 +1,62 @@
+"""Token selection for a batch of prompts equals the per-prompt reference selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_core.config import SparsityConfig
+from sparse_core.kernels import REFERENCE_OPS
+from sparse_core.kernels import reference as ref
+from sparse_core.policy import select_kept_tokens
+
+
+def reference_selection(sparsity: SparsityConfig, budget, q, k, start, end, scale):
+    """The oracle: one prompt at a time, through the reference kernels."""
+    n, window = end - start, sparsity.window
+    keys = k[start:end]
+    q_win = q[end - window : end]
+    lse_win = ref.window_lse(q_win, keys, scale)
+    scores = ref.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)
+    pooled = ref.pool_scores(scores, sparsity.pooling, sparsity.kernel_size)
+    return ref.select_top_tokens(pooled, n, budget, window, sparsity.sinks) + start
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max", "none"])
+@pytest.mark.parametrize("gqa_reduce", ["mean", "max"])
+def test_batched_selection_equals_per_prompt_reference(pooling, gqa_reduce):
+    torch.manual_seed(7)
+    sparsity = SparsityConfig(
+        policy="snapkv", budget=40, window=8, sinks=3, pooling=pooling, gqa_reduce=gqa_reduce
+    )
+    lengths = [41, 97, 64, 150]
+    bounds, start = [], 0
+    for n in lengths:
+        bounds.append((start, start + n))
+        start += n
+    q, k = torch.randn(start, 6, 16), torch.randn(start, 2, 16)
+    kept = select_kept_tokens(sparsity, 40, q, k, None, bounds, 0.25, REFERENCE_OPS)
+    assert kept.shape == (2, 40 * len(lengths))
+    for j, (s, e) in enumerate(bounds):
+        expected = reference_selection(sparsity, 40, q, k, s, e, 0.25)
+        assert torch.equal(kept[:, j * 40 : (j + 1) * 40], expected), j
+
+
+def test_streamingllm_keeps_sinks_and_the_most_recent_tokens():
+    sparsity = SparsityConfig(policy="streamingllm", budget=10, window=4, sinks=2)
+    q, k = torch.randn(50, 2, 8), torch.randn(50, 2, 8)
+    kept = select_kept_tokens(sparsity, 10, q, k, None, [(0, 20), (20, 50)], 1.0, REFERENCE_OPS)
+    assert kept[0, :10].tolist() == [0, 1, *range(12, 20)]
+    assert kept[1, 10:].tolist() == [20, 21, *range(42, 50)]
+
+
+def test_random_policy_keeps_sinks_and_window_and_differs_per_head():
+    sparsity = SparsityConfig(policy="random", budget=16, window=4, sinks=2)
+    q, k = torch.randn(200, 4, 8), torch.randn(200, 2, 8)
+    kept = select_kept_tokens(
+        sparsity, 16, q, k, None, [(0, 200)], 1.0, REFERENCE_OPS, torch.Generator().manual_seed(0)
+    )
+    for head in kept:
+        assert head[:2].tolist() == [0, 1] and head[-4:].tolist() == [196, 197, 198, 199]
+        assert len(set(head.tolist())) == 16
+    assert not torch.equal(kept[0], kept[1])
