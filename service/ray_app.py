@@ -53,12 +53,11 @@ class RayAppConfig:
     # Engine deployments (each pool scales on its own).
     min_replicas: int = 1
     max_replicas: int = 1
-    initial_replicas: int | None = None
     target_ongoing_requests: float = 16
+    # More of Serve's AutoscalingConfig fields (upscale_delay_s, metrics_interval_s, ...).
+    autoscaling_config: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int | None = None  # per replica; default 2 x max_num_seqs
     max_queued_requests: int = 256  # per caller, beyond which requests get 503
-    upscale_delay_s: float | None = None  # None: Serve's defaults
-    downscale_delay_s: float | None = None
     num_cpus_per_replica: float = 1
     tensor_parallel_size: int = 1  # GPUs reserved per replica (the engine's, if it has one)
     routing_stats_period_s: float = 1.0
@@ -209,14 +208,12 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
     served_name = cfg.served_model_name or cfg.model
     tensor_parallel_size = getattr(engine, "tensor_parallel_size", cfg.tensor_parallel_size)
-    autoscaling: dict[str, Any] = {
+    autoscaling = {
+        **cfg.autoscaling_config,
         "min_replicas": cfg.min_replicas,
         "max_replicas": cfg.max_replicas,
         "target_ongoing_requests": cfg.target_ongoing_requests,
     }
-    for name in ("initial_replicas", "upscale_delay_s", "downscale_delay_s"):
-        if getattr(cfg, name) is not None:
-            autoscaling[name] = getattr(cfg, name)
     options = {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,

@@ -94,7 +94,6 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
 
 
 def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60's dashboard token auth
     import ray
     from ray import serve
 

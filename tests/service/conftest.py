@@ -17,7 +17,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def real_server() -> Iterator[Server]:
     """SmolLM2-135M-Instruct, a snapkv pool (the default) and a dense one."""
     engine = EngineConfig(model=MODEL, max_model_len=1024, max_num_seqs=32, kv_cache_memory_gb=0.25)
@@ -26,9 +26,10 @@ def real_server() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="module")
-def tiny_server() -> Iterator[Server]:
-    """Random weights, for limits: 2 requests in flight, 4 KiB bodies."""
-    engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.01)
+def limits_server() -> Iterator[Server]:
+    """Random weights of SmolLM2's shape (slow enough to keep requests in flight), at most 2
+    requests in flight and 4 KiB request bodies."""
+    engine = EngineConfig(model="dummy:smollm2-135m", max_model_len=512, kv_cache_memory_gb=0.05)
     sparsity = SparsityConfig(policy="dense")
     with standalone(engine, [sparsity], max_inflight_requests=2, max_request_bytes=4096) as server:
         yield server

@@ -102,3 +102,92 @@ def wait_for(condition, timeout: float = 20.0, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)
+
+
+@dataclass
+class BadRequest:
+    """A request the server must refuse: path, body, expected status, `param` and `code`."""
+
+    name: str
+    path: str
+    body: dict | bytes
+    status: int
+    param: str | None
+    code: str | None
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Hello", **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], **fields}
+
+
+# For a server of MODEL with max_model_len 1024.
+BAD_REQUESTS = [
+    BadRequest("malformed JSON", "/v1/completions", b'{"model": "x", "prompt": ', 400, None,
+               "invalid_json"),
+    BadRequest("body not an object", "/v1/chat/completions", b"[1, 2]", 400, None, "invalid_json"),
+    BadRequest("missing prompt", "/v1/completions", {"model": MODEL}, 400, "prompt",
+               "missing_required_parameter"),
+    BadRequest("missing messages", "/v1/chat/completions", {"model": MODEL}, 400, "messages",
+               "missing_required_parameter"),
+    BadRequest("missing model", "/v1/completions", {"prompt": "Hello"}, 400, "model",
+               "missing_required_parameter"),
+    BadRequest("max_tokens as a string", "/v1/completions", _completion(max_tokens="5"), 400,
+               "max_tokens", "invalid_type"),
+    BadRequest("temperature as a string", "/v1/chat/completions", _chat(temperature="hot"), 400,
+               "temperature", "invalid_type"),
+    BadRequest("messages not a list", "/v1/chat/completions", {"model": MODEL, "messages": "hi"},
+               400, "messages", "invalid_type"),
+    BadRequest("unknown role", "/v1/chat/completions",
+               {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400,
+               "messages", "invalid_type"),
+    BadRequest("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400,
+               "messages", "invalid_value"),
+    BadRequest("empty prompt", "/v1/completions", _completion(prompt=""), 400, "prompt", None),
+    BadRequest("max_tokens 0", "/v1/completions", _completion(max_tokens=0), 400, "max_tokens",
+               "invalid_value"),
+    BadRequest("max_tokens negative", "/v1/chat/completions", _chat(max_tokens=-3), 400,
+               "max_tokens", "invalid_value"),
+    BadRequest("max_tokens beyond the context", "/v1/completions", _completion(max_tokens=1024),
+               400, "max_tokens", "context_length_exceeded"),
+    BadRequest("chat max_tokens beyond the context", "/v1/chat/completions",
+               _chat(max_tokens=5000), 400, "max_tokens", "context_length_exceeded"),
+    BadRequest("prompt longer than max_model_len", "/v1/completions",
+               _completion(prompt="word " * 1100), 400, "prompt", "context_length_exceeded"),
+    BadRequest("chat longer than max_model_len", "/v1/chat/completions",
+               {"model": MODEL, "messages": [{"role": "user", "content": "word " * 1100}]}, 400,
+               "messages", "context_length_exceeded"),
+    BadRequest("token id outside the vocabulary", "/v1/completions",
+               _completion(prompt=[1, 2, 10**7]), 400, "prompt", None),
+    BadRequest("unknown model", "/v1/completions", _completion(model="gpt-4"), 404, "model",
+               "model_not_found"),
+    BadRequest("unsupported parameter", "/v1/completions", _completion(logprobs=2), 400,
+               "logprobs", "unsupported_parameter"),
+    BadRequest("top_p out of range", "/v1/completions", _completion(top_p=0), 400, "top_p",
+               "invalid_value"),
+    BadRequest("too many choices", "/v1/completions", _completion(n=100), 400, "n",
+               "invalid_value"),
+]  # fmt: skip
+
+
+def check_refused(response: httpx.Response, case: BadRequest) -> None:
+    """Status and OpenAI error body as expected."""
+    assert response.status_code == case.status, (case.name, response.text)
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"], case.name
+    assert error["type"] == "invalid_request_error"
+    assert (error["param"], error["code"]) == (case.param, case.code), (case.name, error)
+
+
+def send(server: Server, case: BadRequest, api_key: str | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {api_key or server.api_key}"}
+    if isinstance(case.body, bytes):
+        headers["Content-Type"] = "application/json"
+        return httpx.post(
+            server.base_url + case.path, content=case.body, headers=headers, timeout=60
+        )
+    return httpx.post(server.base_url + case.path, json=case.body, headers=headers, timeout=60)

@@ -1,0 +1,101 @@
+"""Prometheus metrics of the standalone server, and a client that disconnects mid-stream."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.service.servers import MODEL, metric_sum, metric_values, wait_for
+
+LONG_PROMPT = " ".join(f"Line {i}: the value is {i * 13 % 97}." for i in range(40))
+
+EXPECTED = [
+    "kvsparse_time_to_first_token_seconds_bucket",
+    "kvsparse_inter_token_latency_seconds_bucket",
+    "kvsparse_e2e_request_latency_seconds_bucket",
+    "kvsparse_prompt_tokens_total",
+    "kvsparse_generation_tokens_total",
+    "kvsparse_num_requests_running",
+    "kvsparse_num_requests_waiting",
+    "kvsparse_kv_blocks_used",
+    "kvsparse_kv_blocks_free",
+    "kvsparse_compression_ratio_bucket",
+    "kvsparse_requests_finished_total",
+]
+
+
+def test_metrics_are_present_and_move_with_traffic(real_server):
+    before = real_server.metrics()
+    client = openai.OpenAI(base_url=real_server.v1, api_key=real_server.api_key, max_retries=0)
+    out = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=6, temperature=0)
+    after = real_server.metrics()
+
+    for name in EXPECTED:
+        assert metric_values(after, name, pool="snapkv-64"), name
+    # Counters and histograms moved by exactly this request.
+    pool = {"pool": "snapkv-64", "model_name": MODEL}
+
+    def delta(name: str, **labels: str) -> float:
+        return metric_sum(after, name, **pool, **labels) - metric_sum(
+            before, name, **pool, **labels
+        )
+
+    assert delta("kvsparse_prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("kvsparse_generation_tokens_total") == 6
+    assert delta("kvsparse_requests_finished_total", finished_reason="length") == 1
+    assert delta("kvsparse_time_to_first_token_seconds_count") == 1
+    assert delta("kvsparse_e2e_request_latency_seconds_count") == 1
+    assert delta("kvsparse_inter_token_latency_seconds_count") == 5
+    assert delta("kvsparse_time_to_first_token_seconds_sum") > 0
+    # The prompt (~400 tokens) was compressed to a budget of 64 in 28 of 30 layers.
+    assert delta("kvsparse_compression_ratio_count") == 1
+    assert delta("kvsparse_compression_ratio_sum") > 3
+    assert delta("kvsparse_compression_ratio_bucket", le="2.0") == 0
+    # Block gauges describe each layer group's pool.
+    groups = {
+        labels
+        for labels in ("full", "budget64")
+        if metric_values(after, "kvsparse_kv_blocks_free", group=labels, pool="snapkv-64")
+    }
+    assert groups == {"full", "budget64"}
+
+
+def test_refused_requests_count_as_errors(real_server):
+    before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                        finished_reason="error")  # fmt: skip
+    client = openai.OpenAI(base_url=real_server.v1, api_key=real_server.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="word " * 1100, max_tokens=1)
+    after = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                       finished_reason="error")  # fmt: skip
+    assert after == before + 1
+
+
+def blocks_used(server) -> float:
+    return metric_sum(server.metrics(), "kvsparse_kv_blocks_used", pool="snapkv-64")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(real_server):
+    wait_for(lambda: blocks_used(real_server) == 0)  # earlier tests' requests are done
+    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                                finished_reason="abort")  # fmt: skip
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {real_server.api_key}"}
+    with httpx.stream("POST", real_server.v1 + "/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks == 5:
+                break
+        # Mid-stream: the request holds KV blocks (gauges refresh every second).
+        wait_for(lambda: blocks_used(real_server) > 0)
+    # The connection is closed: the request is aborted, its blocks freed.
+    wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
+    metrics = real_server.metrics()
+    assert metric_sum(metrics, "kvsparse_requests_finished_total", finished_reason="abort") == (
+        aborted_before + 1
+    )
+    assert metric_sum(metrics, "kvsparse_num_requests_running", pool="snapkv-64") == 0
