@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from sparse_core.cache.block_pool import BlockPool
 from sparse_core.engine.sequence import Sequence
 from sparse_core.policy import LayerPlan
@@ -12,10 +14,29 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, plan: LayerPlan, blocks_per_group: list[int], block_size: int) -> None:
+    """Owns the pools, and a host-side mirror of every running sequence's block tables.
+
+    The mirror (one int32 row per running sequence and group) changes only when a block is
+    allocated, so a decode step gathers its block tables with one indexing op per group instead
+    of converting Python lists for every sequence.
+    """
+
+    def __init__(
+        self,
+        plan: LayerPlan,
+        blocks_per_group: list[int],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         self.plan = plan
         self.block_size = block_size
         self.pools = [BlockPool(n) for n in blocks_per_group]
+        width = cdiv(max_model_len, block_size)
+        self.host_tables = [
+            torch.zeros((max_num_seqs, width), dtype=torch.int32) for _ in blocks_per_group
+        ]
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def prefill_kv_lens(self, seq: Sequence) -> list[int]:
         """Tokens each group will hold after prefilling the sequence (prompt + any outputs,
@@ -46,9 +67,12 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         lens = self.prefill_kv_lens(seq)
+        seq.table_row = self._free_rows.pop()
         for g, (pool, n) in enumerate(zip(self.pools, lens, strict=True)):
-            seq.block_tables[g] = pool.allocate(cdiv(n, self.block_size))
+            blocks = pool.allocate(cdiv(n, self.block_size))
+            seq.block_tables[g] = blocks
             seq.kv_lens[g] = n
+            self.host_tables[g][seq.table_row, : len(blocks)] = torch.tensor(blocks)
         seq.prompt_kv_lens = lens
 
     def can_append(self, seq: Sequence) -> bool:
@@ -66,6 +90,7 @@ class BlockManager:
             table = seq.block_tables[g]
             if pos // self.block_size == len(table):
                 table += pool.allocate(1)
+                self.host_tables[g][seq.table_row, len(table) - 1] = table[-1]
             slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             seq.kv_lens[g] = pos + 1
         return slots
@@ -73,7 +98,16 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         for pool, blocks in zip(self.pools, seq.block_tables, strict=True):
             pool.free(blocks)
+        self._free_rows.append(seq.table_row)
         seq.reset_cache_state()
+
+    def batch_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Per group, the sequences' block tables as one padded int32 [B, max blocks] tensor."""
+        rows = torch.tensor([seq.table_row for seq in seqs])
+        return [
+            table[rows, : max(len(seq.block_tables[g]) for seq in seqs)]
+            for g, table in enumerate(self.host_tables)
+        ]
 
     def usage(self) -> dict[str, dict[str, int]]:
         return {

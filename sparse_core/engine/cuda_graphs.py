@@ -28,7 +28,7 @@ class DecodeBatch:
     input_ids: list[int]
     positions: list[int]
     slots: list[list[int]]  # per group, per sequence
-    block_tables: list[list[list[int]]]  # per group, per sequence
+    block_tables: list[torch.Tensor]  # per group: int32 [B, max blocks] on the host
     context_lens: list[list[int]]  # per group, per sequence
 
 
@@ -92,11 +92,7 @@ class DecodeGraphs:
         self.input_ids[:batch].copy_(torch.tensor(step.input_ids), non_blocking=True)
         self.positions[:batch].copy_(torch.tensor(step.positions), non_blocking=True)
         for g, tables in enumerate(step.block_tables):
-            width = max(len(t) for t in tables)
-            padded = torch.zeros((batch, width), dtype=torch.int32)
-            for row, table in enumerate(tables):
-                padded[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-            self.tables[g, :batch, :width].copy_(padded, non_blocking=True)
+            self.tables[g, :batch, : tables.shape[1]].copy_(tables, non_blocking=True)
             self.slots[g, :batch].copy_(torch.tensor(step.slots[g]), non_blocking=True)
             self.lens[g, :batch].copy_(
                 torch.tensor(step.context_lens[g], dtype=torch.int32), non_blocking=True

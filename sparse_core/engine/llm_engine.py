@@ -65,7 +65,9 @@ class LLMEngine:
         )
         self.runner.allocate_kv_cache(blocks)
         self.runner.capture_decode_graphs()
-        self.block_manager = BlockManager(self.plan, blocks, config.block_size)
+        self.block_manager = BlockManager(
+            self.plan, blocks, config.block_size, config.max_num_seqs, config.max_model_len
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -168,7 +170,7 @@ class LLMEngine:
         if not seqs:
             return []
         start = time.monotonic()
-        tokens = self.runner.run(seqs, is_prefill)  # returns host ints: the device is done
+        tokens = self.runner.run(seqs, is_prefill, self.block_manager)  # host ints: device done
         now = time.monotonic()
         if self.step_records is not None:
             self.step_records.append(self._step_record(seqs, is_prefill, now - start))

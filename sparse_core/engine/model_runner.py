@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.sampler import sample
@@ -95,12 +96,12 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager) -> list[int]:
         if is_prefill:
             input_ids, positions, meta, last = self._prepare_prefill(seqs)
             logits = self.model.compute_logits(self.model(input_ids, positions, meta)[last])
         else:
-            step = self._prepare_decode(seqs)
+            step = self._prepare_decode(seqs, block_manager)
             if self.graphs is not None:
                 logits = self.graphs.run(step)
             else:
@@ -148,13 +149,13 @@ class ModelRunner:
         last = self._tensor([end - 1 for end in cu_seqlens[1:]])
         return self._tensor(input_ids), self._tensor(positions), meta, last
 
-    def _prepare_decode(self, seqs: list[Sequence]) -> DecodeBatch:
+    def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
         num_groups = len(self.plan.groups)
         return DecodeBatch(
-            input_ids=[seq.token_ids[-1] for seq in seqs],
+            input_ids=[seq.last_token_id for seq in seqs],
             positions=[len(seq) - 1 for seq in seqs],
             slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
-            block_tables=[[seq.block_tables[g] for seq in seqs] for g in range(num_groups)],
+            block_tables=block_manager.batch_tables(seqs),
             context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
         )
 
@@ -163,11 +164,10 @@ class ModelRunner:
         for slots, tables, lens in zip(
             step.slots, step.block_tables, step.context_lens, strict=True
         ):
-            width = max(len(t) for t in tables)
             groups.append(
                 GroupStepMetadata(
                     slot_mapping=self._tensor(slots),
-                    block_tables=self._tensor([t + [0] * (width - len(t)) for t in tables]),
+                    block_tables=tables.to(self.device),
                     context_lens=self._tensor(lens),
                     max_context_len=max(lens),
                 )

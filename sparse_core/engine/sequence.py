@@ -34,6 +34,7 @@ class Sequence:
     # Per layer group: tokens kept right after the prompt was prefilled (its compression).
     prompt_kv_lens: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
+    table_row: int = -1  # this sequence's row in the block manager's host block tables
     num_preemptions: int = 0
     first_token_time: float | None = None
     generator: torch.Generator | None = None
@@ -47,10 +48,15 @@ class Sequence:
     def reset_cache_state(self) -> None:
         self.block_tables = [[] for _ in range(self.num_groups)]
         self.kv_lens = [0] * self.num_groups
+        self.table_row = -1
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

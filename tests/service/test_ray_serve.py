@@ -1,0 +1,276 @@
+"""Ray Serve mode on a local 2-CPU cluster: the real model in 2 engine replicas (scaled up from 1
+by Serve's autoscaler), the OpenAI ingress, the KV-capacity router and Ray's metrics port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+
+from sparse_core import SamplingParams
+from tests.service.servers import (
+    API_KEY,
+    BAD_REQUESTS,
+    MODEL,
+    BadRequest,
+    Server,
+    check_refused,
+    free_port,
+    metric_sum,
+    send,
+    wait_for,
+)
+
+pytestmark = pytest.mark.ray
+
+APP = "kvsparse"
+ENGINE = "KVSparseEngine-snapkv-64"
+ARGS = {
+    "model": MODEL,
+    "engine": {"max_model_len": 1024, "max_num_seqs": 16, "kv_cache_memory_gb": 0.25},
+    "sparsity": {"policy": "snapkv", "budget": 64, "window": 16, "sinks": 4, "full_layers": 2},
+    "api_key": API_KEY,
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "target_ongoing_requests": 2,
+    # React within seconds (Serve's defaults are tuned for minutes) and never scale back down
+    # during the tests.
+    "autoscaling_config": {
+        "upscale_delay_s": 0,
+        "downscale_delay_s": 600,
+        "metrics_interval_s": 0.5,
+        "look_back_period_s": 2,
+    },
+}
+
+
+@dataclass
+class RayServer(Server):
+    metrics_url: str
+
+    def ray_metrics(self) -> str:
+        return httpx.get(self.metrics_url, timeout=10).text
+
+
+def engine_replicas_running() -> int:
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None or ENGINE not in app.deployments:
+        return 0
+    return app.deployments[ENGINE].replica_states.get("RUNNING", 0)
+
+
+@contextlib.contextmanager
+def streams_in_flight(server: Server, count: int) -> Iterator[None]:
+    """`count` long streaming requests, each generating, until the block exits (disconnect)."""
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {server.api_key}"}
+    client = httpx.Client(base_url=server.v1, headers=headers, timeout=120)
+    with client, contextlib.ExitStack() as stack:
+        lines = []  # kept: dropping an iterator closes its connection
+        for _ in range(count):
+            response = stack.enter_context(client.stream("POST", "/completions", json=body))
+            assert response.status_code == 200, response.read()
+            lines.append(response.iter_lines())
+            assert next(lines[-1]).startswith("data: ")
+        yield
+
+
+@pytest.fixture(scope="module")
+def ray_server() -> Iterator[RayServer]:
+    """The application on a fresh local cluster, loaded until Serve has scaled it to 2 engine
+    replicas: the autoscaling config at work."""
+    import ray
+    from ray import serve
+
+    from service.ray_app import build_app
+
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},  # default 10 s
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        server = RayServer(f"http://127.0.0.1:{http_port}", API_KEY,
+                           f"http://127.0.0.1:{metrics_port}/metrics")  # fmt: skip
+        assert engine_replicas_running() == 1  # min_replicas
+        with streams_in_flight(server, 6):  # 6 ongoing > target 2 per replica
+            wait_for(lambda: engine_replicas_running() == 2, timeout=180, interval=0.5)
+        yield server
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(ray_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
+
+
+def greedy(llm, prompt: str, max_tokens: int) -> str:
+    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+
+
+def test_autoscaling_config_is_in_effect(ray_server):
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    status = serve.status().applications[APP]
+    assert status.status == "RUNNING"
+    assert status.deployments[ENGINE].replica_states == {"RUNNING": 2}
+    details = _get_global_client().get_serve_details()["applications"][APP]["deployments"][ENGINE]
+    autoscaling = details["deployment_config"]["autoscaling_config"]
+    assert (autoscaling["min_replicas"], autoscaling["max_replicas"]) == (1, 2)
+    assert autoscaling["target_ongoing_requests"] == 2
+    assert details["target_num_replicas"] == 2
+    router = details["deployment_config"]["request_router_config"]["request_router_class"]
+    assert router.endswith("KVCapacityRouter")
+
+
+def test_models_and_health(ray_server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(ray_server.base_url + "/health").json() == {"status": "ok"}
+
+
+def test_completion_and_chat_match_the_engine(client, dense_llm):
+    prompt = "The three primary colors are"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].text == greedy(dense_llm, prompt, 12)
+    assert out.usage.completion_tokens == 12
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    templated = dense_llm.tokenizer.apply_chat_template(messages)
+    assert "<|im_start|>assistant" in templated
+    assert chat.choices[0].message.content == greedy(dense_llm, templated, 16)
+    assert chat.usage.prompt_tokens == len(dense_llm.tokenizer.encode(templated))
+
+
+def test_streaming(client):
+    kwargs = {"model": MODEL, "messages": [{"role": "user", "content": "Name three fruits."}],
+              "max_tokens": 16, "temperature": 0}  # fmt: skip
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_twenty_concurrent_requests_are_answered_by_both_replicas(ray_server, dense_llm):
+    prompts = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i in range(20)]
+    expected = [greedy(dense_llm, p, 10) for p in prompts]
+    before = ray_server.ray_metrics()
+    client = openai.AsyncOpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
+
+    async def ask(prompt: str) -> str:
+        out = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=10, temperature=0
+        )
+        return out.choices[0].text
+
+    async def ask_all() -> list[str]:
+        try:
+            return await asyncio.gather(*(ask(p) for p in prompts))
+        finally:
+            await client.close()
+
+    assert asyncio.run(ask_all()) == expected
+
+    # Metrics, through Ray's metrics export port, moved on both replicas.
+    name = "ray_kvsparse_generation_tokens_total"
+
+    def per_replica(text: str) -> dict[str, float]:
+        replicas = set(_label_values(text, name, "replica"))
+        return {r: metric_sum(text, name, replica=r) for r in replicas}
+
+    def moved() -> dict[str, float] | None:
+        now, then = per_replica(ray_server.ray_metrics()), per_replica(before)
+        delta = {r: v - then.get(r, 0.0) for r, v in now.items()}
+        return delta if sum(delta.values()) >= 200 else None
+
+    delta = wait_for(moved, timeout=30)
+    assert sum(delta.values()) == 200  # 20 requests x 10 tokens
+    assert len([r for r, v in delta.items() if v > 0]) == 2, delta
+
+
+def test_engine_metrics_on_rays_port(ray_server):
+    text = ray_server.ray_metrics()
+    for name in [
+        "ray_kvsparse_time_to_first_token_seconds_bucket",
+        "ray_kvsparse_inter_token_latency_seconds_bucket",
+        "ray_kvsparse_e2e_request_latency_seconds_bucket",
+        "ray_kvsparse_prompt_tokens_total",
+        "ray_kvsparse_num_requests_running",
+        "ray_kvsparse_num_requests_waiting",
+        "ray_kvsparse_kv_blocks_used",
+        "ray_kvsparse_kv_blocks_free",
+        "ray_kvsparse_compression_ratio_bucket",
+        "ray_kvsparse_requests_finished_total",
+    ]:
+        assert metric_sum(text, name, pool="snapkv-64", model_name=MODEL) >= 0, name
+        assert f"{name}{{" in text, name
+    assert len(set(_label_values(text, "ray_kvsparse_kv_blocks_free", "replica"))) == 2
+    # No /metrics on the ingress in Ray mode: the cluster's port is the scrape target.
+    assert httpx.get(ray_server.base_url + "/metrics").status_code == 404
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=lambda c: c.name)
+def test_bad_request_is_refused(ray_server, case: BadRequest):
+    check_refused(send(ray_server, case), case)
+
+
+def test_wrong_api_key_is_refused(ray_server):
+    client = openai.OpenAI(base_url=ray_server.v1, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert err.value.body["code"] == "invalid_api_key"
+    assert httpx.get(ray_server.v1 + "/models").status_code == 401
+
+
+def test_body_over_the_limit_is_413(ray_server):
+    body = {"model": MODEL, "prompt": "x" * (5 * 2**20)}
+    response = httpx.post(ray_server.v1 + "/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    assert response.status_code == 413
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(ray_server):
+    def used_blocks() -> float:
+        return metric_sum(ray_server.ray_metrics(), "ray_kvsparse_kv_blocks_used")
+
+    def aborted() -> float:
+        return metric_sum(ray_server.ray_metrics(), "ray_kvsparse_requests_finished_total",
+                          finished_reason="abort")  # fmt: skip
+
+    wait_for(lambda: used_blocks() == 0, timeout=30)
+    aborted_before = aborted()
+    with streams_in_flight(ray_server, 2):
+        wait_for(lambda: used_blocks() > 0, timeout=30)  # both requests hold KV blocks
+    # Both clients went away: each replica aborted its request and freed the blocks.
+    wait_for(lambda: aborted() == aborted_before + 2, timeout=30)
+    wait_for(lambda: used_blocks() == 0, timeout=30)
+
+
+def _label_values(text: str, name: str, label: str) -> list[str]:
+    import re
+
+    return re.findall(rf'^{re.escape(name)}\{{[^}}]*\b{label}="([^"]*)"', text, flags=re.M)
