@@ -115,13 +115,29 @@ def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:
     return budgets
 
 
+@dataclass
+class PromptBatch:
+    """Prompts packed in a prefill step: host bounds, and the same on the device (built once per
+    step, so the layers do no host-to-device copies, which would stall the launch queue)."""
+
+    bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed step
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def from_bounds(cls, bounds: list[tuple[int, int]], device: torch.device) -> PromptBatch:
+        host = torch.tensor(bounds, dtype=torch.int64).view(-1, 2)
+        on_device = host.to(device)
+        return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0])
+
+
 def select_kept_tokens(
     sparsity: SparsityConfig,
     budget: int,
     q: torch.Tensor,
     k: torch.Tensor,
     lse: torch.Tensor | None,
-    bounds: list[tuple[int, int]],
+    prompts: PromptBatch,
     scale: float,
     ops: KernelOps,
     generator: torch.Generator | None = None,
@@ -130,15 +146,14 @@ def select_kept_tokens(
 
     q [T, Hq, D] and k [T, Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
     lse [Hq, T] the attention kernel's row LSE, or None to compute the window rows' LSE here;
-    bounds: the [start, end) of each prompt to compress (each longer than the budget).
-    Returns int64 [Hkv, len(bounds) * budget]: prompt j's kept rows, ascending, in columns
+    prompts: the prompts to compress (each longer than the budget).
+    Returns int64 [Hkv, len(prompts.bounds) * budget]: prompt j's kept rows, ascending, in columns
     [j * budget, (j + 1) * budget). Every step after the scores is batched over the prompts, so
     the launches per layer do not grow with the number of prompts.
     """
     device = k.device
     sinks = sparsity.sinks
-    starts = torch.tensor([b[0] for b in bounds], device=device)
-    lengths = torch.tensor([b[1] - b[0] for b in bounds], device=device)
+    bounds, starts, lengths = prompts.bounds, prompts.starts, prompts.lengths
     if sparsity.policy == "streamingllm":
         recent = budget - sinks
         positions = torch.cat(

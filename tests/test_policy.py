@@ -8,7 +8,7 @@ import torch
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels import reference as ref
-from sparse_core.policy import select_kept_tokens
+from sparse_core.policy import PromptBatch, select_kept_tokens
 
 
 def reference_selection(sparsity: SparsityConfig, budget, q, k, start, end, scale):
@@ -35,7 +35,8 @@ def test_batched_selection_equals_per_prompt_reference(pooling, gqa_reduce):
         bounds.append((start, start + n))
         start += n
     q, k = torch.randn(start, 6, 16), torch.randn(start, 2, 16)
-    kept = select_kept_tokens(sparsity, 40, q, k, None, bounds, 0.25, REFERENCE_OPS)
+    prompts = PromptBatch.from_bounds(bounds, k.device)
+    kept = select_kept_tokens(sparsity, 40, q, k, None, prompts, 0.25, REFERENCE_OPS)
     assert kept.shape == (2, 40 * len(lengths))
     for j, (s, e) in enumerate(bounds):
         expected = reference_selection(sparsity, 40, q, k, s, e, 0.25)
@@ -45,7 +46,8 @@ def test_batched_selection_equals_per_prompt_reference(pooling, gqa_reduce):
 def test_streamingllm_keeps_sinks_and_the_most_recent_tokens():
     sparsity = SparsityConfig(policy="streamingllm", budget=10, window=4, sinks=2)
     q, k = torch.randn(50, 2, 8), torch.randn(50, 2, 8)
-    kept = select_kept_tokens(sparsity, 10, q, k, None, [(0, 20), (20, 50)], 1.0, REFERENCE_OPS)
+    prompts = PromptBatch.from_bounds([(0, 20), (20, 50)], k.device)
+    kept = select_kept_tokens(sparsity, 10, q, k, None, prompts, 1.0, REFERENCE_OPS)
     assert kept[0, :10].tolist() == [0, 1, *range(12, 20)]
     assert kept[1, 10:].tolist() == [20, 21, *range(42, 50)]
 
@@ -54,7 +56,15 @@ def test_random_policy_keeps_sinks_and_window_and_differs_per_head():
     sparsity = SparsityConfig(policy="random", budget=16, window=4, sinks=2)
     q, k = torch.randn(200, 4, 8), torch.randn(200, 2, 8)
     kept = select_kept_tokens(
-        sparsity, 16, q, k, None, [(0, 200)], 1.0, REFERENCE_OPS, torch.Generator().manual_seed(0)
+        sparsity,
+        16,
+        q,
+        k,
+        None,
+        PromptBatch.from_bounds([(0, 200)], k.device),
+        1.0,
+        REFERENCE_OPS,
+        torch.Generator().manual_seed(0),
     )
     for head in kept:
         assert head[:2].tolist() == [0, 1] and head[-4:].tolist() == [196, 197, 198, 199]

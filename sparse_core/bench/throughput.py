@@ -233,16 +233,16 @@ def main(args: argparse.Namespace) -> int:
         )
         results.append(result)
         print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {
-                    "device": device_name,
-                    "copy_bandwidth": bandwidth,
-                    "results": [asdict(r) for r in results],
-                },
-                f,
-                indent=1,
-            )
+        if args.json:  # rewritten after every run, so a cut-short session keeps what finished
+            with open(args.json, "w") as f:
+                json.dump(
+                    {
+                        "device": device_name,
+                        "copy_bandwidth": bandwidth,
+                        "results": [asdict(r) for r in results],
+                    },
+                    f,
+                    indent=1,
+                )
     print_table(results)
     return 0

@@ -13,7 +13,7 @@ from sparse_core.kernels import get_ops
 from sparse_core.models.attention import CompressJobs, GroupStepMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
-from sparse_core.policy import LayerPlan
+from sparse_core.policy import LayerPlan, PromptBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,9 +61,7 @@ class ModelRunner:
                 model_config, plan, sparsity, get_ops(self.device), config.max_model_len
             )
         self.model.to(self.dtype)
-        # RoPE tables stay float32 whatever the model dtype.
-        for layer in self.model.model.layers:
-            layer.self_attn.rotary.float()
+        self.model.model.rotary.float()  # RoPE tables stay float32 whatever the model dtype
         if source.weights is not None:
             self.model.load_weights(source.weights)
         else:
@@ -141,11 +139,19 @@ class ModelRunner:
         groups = [
             GroupStepMetadata(
                 slot_mapping=self._tensor(slot_mappings[g]),
-                compress=CompressJobs(compress_bounds[g], self._tensor(compress_slots[g])),
+                compress=CompressJobs(
+                    PromptBatch.from_bounds(compress_bounds[g], self.device),
+                    self._tensor(compress_slots[g]),
+                ),
             )
             for g in range(num_groups)
         ]
-        meta = StepMetadata(is_prefill=True, groups=groups, cu_seqlens=self._tensor(cu_seqlens))
+        meta = StepMetadata(
+            is_prefill=True,
+            groups=groups,
+            cu_seqlens=self._tensor(cu_seqlens),
+            max_seqlen=max(len(seq) for seq in seqs),
+        )
         last = self._tensor([end - 1 for end in cu_seqlens[1:]])
         return self._tensor(input_ids), self._tensor(positions), meta, last
 
@@ -208,6 +214,7 @@ class ModelRunner:
             is_prefill=True,
             groups=[GroupStepMetadata(slot_mapping=slots) for _ in self.plan.groups],
             cu_seqlens=self._tensor(cu_seqlens),
+            max_seqlen=max(lens),
         )
         ids = torch.randint(0, cfg.vocab_size, (total,), device=self.device)
         positions = self._tensor([p for n in lens for p in range(n)])

@@ -25,9 +25,12 @@ class KernelOps:
     store_kv: Callable
     store_selected_kv: Callable
     paged_decode_attention: Callable
+    rms_norm: Callable
+    silu_and_mul: Callable
+    apply_rotary_: Callable
 
 
-def _sdpa_prefill(q, k, v, cu_seqlens, scale):
+def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None):
     return reference.causal_attention(q, k, v, cu_seqlens, scale), None
 
 
@@ -39,10 +42,14 @@ REFERENCE_OPS = KernelOps(
     store_kv=reference.store_kv,
     store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
+    rms_norm=reference.rms_norm,
+    silu_and_mul=reference.silu_and_mul,
+    apply_rotary_=reference.apply_rotary_,
 )
 
 
 def _triton_ops() -> KernelOps:
+    from sparse_core.kernels import triton_fused as tf
     from sparse_core.kernels import triton_kernels as tk
 
     return KernelOps(
@@ -53,6 +60,9 @@ def _triton_ops() -> KernelOps:
         store_kv=tk.store_kv,
         store_selected_kv=tk.store_selected_kv,
         paged_decode_attention=tk.paged_decode_attention,
+        rms_norm=tf.rms_norm,
+        silu_and_mul=tf.silu_and_mul,
+        apply_rotary_=tf.apply_rotary_,
     )
 
 

@@ -204,3 +204,34 @@ def paged_decode_attention(
     probs = torch.softmax(logits, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
     return out.reshape(batch, num_q, head_dim).to(q.dtype)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); without a residual, the second is x.
+
+    Rounds like Hugging Face's LlamaRMSNorm: normalise in float32, back to x's dtype, then scale.
+    """
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * normed, x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def apply_rotary_(
+    qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> None:
+    """Rotate, in place, the heads side by side in qk [T, H * head_dim] by their tokens'
+    positions (the rotate-half convention of HF Llama); cos/sin [max_pos, head_dim / 2]."""
+    x = qk.view(qk.shape[0], -1, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))

@@ -9,18 +9,18 @@ from torch import nn
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
-from sparse_core.policy import select_kept_tokens
+from sparse_core.policy import PromptBatch, select_kept_tokens
 
 
 @dataclass
 class CompressJobs:
     """The prompts of a prefill step that a sparse layer group stores compressed."""
 
-    bounds: list[tuple[int, int]]  # each prompt's tokens are [start, end) of the packed step
-    kept_slots: torch.Tensor  # [len(bounds) * budget]: where each prompt's kept tokens go
+    prompts: PromptBatch
+    kept_slots: torch.Tensor  # [len(prompts.bounds) * budget]: where each prompt's kept tokens go
 
     def __bool__(self) -> bool:
-        return bool(self.bounds)
+        return bool(self.prompts.bounds)
 
 
 @dataclass
@@ -46,6 +46,7 @@ class StepMetadata:
     is_prefill: bool
     groups: list[GroupStepMetadata]
     cu_seqlens: torch.Tensor | None = None  # prefill: packed sequence offsets
+    max_seqlen: int | None = None  # prefill: longest sequence, known on the host
 
 
 class PagedAttention(nn.Module):
@@ -91,7 +92,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 group.max_context_len,
             )
-        out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale)
+        out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen)
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
         if group.compress:
             kept_rows = select_kept_tokens(
@@ -100,7 +101,7 @@ class PagedAttention(nn.Module):
                 q,
                 k,
                 lse,
-                group.compress.bounds,
+                group.compress.prompts,
                 self.scale,
                 ops,
                 self.generator,

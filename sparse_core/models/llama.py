@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sparse_core.config import SparsityConfig
@@ -20,15 +19,19 @@ from sparse_core.policy import LayerPlan
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """RMSNorm that also adds the residual stream first when given one (one fused kernel)."""
+
+    def __init__(self, size: int, eps: float, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised x + residual, x + residual)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -55,20 +58,18 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, ops: KernelOps) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.head_dim = config.head_dim
+        self.ops = ops
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, H, D] by its tokens' positions (the rotate-half convention of HF Llama)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        return rotated.to(x.dtype)
+    def apply_(self, positions: torch.Tensor, qk: torch.Tensor) -> None:
+        """Rotate in place the q and k heads laid side by side in qk [T, (Hq + Hkv) * D]."""
+        self.ops.apply_rotary_(qk, positions, self.cos, self.sin, self.head_dim)
 
 
 class LlamaAttention(nn.Module):
@@ -85,45 +86,68 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = self.rotary(positions, q.view(-1, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, meta)
+        qkv = self.qkv_proj(x)
+        q_size, kv_size, _ = self.split
+        self.rotary.apply_(positions, qkv[:, : q_size + kv_size])
+        q, k, v = qkv.split(self.split, dim=-1)
+        out = self.attn(
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            meta,
+        )
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn: PagedAttention, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, attn: PagedAttention, rotary: RotaryEmbedding, ops: KernelOps
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, attn, rotary)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: StepMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x is the previous layer's MLP output, not yet added to the residual stream: the add
+        happens inside the fused norm."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attns: list[PagedAttention], max_positions: int):
+    def __init__(
+        self,
+        config: ModelConfig,
+        attns: list[PagedAttention],
+        max_positions: int,
+        ops: KernelOps,
+    ):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rotary = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, rotary) for a in attns)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions, ops)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, self.rotary, ops) for a in attns)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         ]
-        self.model = LlamaModel(config, attns, max_positions)
+        self.model = LlamaModel(config, attns, max_positions, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -162,9 +186,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        residual = None
         for layer in self.model.layers:
-            x = layer(positions, x, meta)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,113 @@
+"""Fused element-wise Triton kernels of the decoder layer: RMSNorm (with the residual add),
+SiLU-and-multiply, and rotary embedding applied in place to q and k.
+
+A decode step is a few hundred tiny kernels; on a GPU each costs a few microseconds however
+little it does, so folding ~8 element-wise launches into one per operation is what brings a
+CUDA-graph replay close to the weight-read time. Rounding follows the unfused torch code
+(`reference.py`): intermediates are rounded to the activation dtype where torch would round them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+if triton.knobs.runtime.interpret:
+    from sparse_core.kernels.triton_interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the residual stream's dtype
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); without a residual, the second is x."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x, res, weight, out, res_out,
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), cols, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+    )  # fmt: skip
+    return out, res_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    rows, width = x.shape
+    half = width // 2
+    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](
+        x, out, x.stride(0), out.stride(0), half, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _rotary_kernel(
+    qk_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_c, num_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HALF)
+    mask = heads[:, None] < num_heads
+    pos = tl.load(pos_ptr + token)
+    cos = tl.load(cos_ptr + pos * stride_c + dims)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_c + dims)[None, :]
+    base = qk_ptr + token * stride_t + heads[:, None] * (2 * HALF) + dims[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(base, (f1 * cos - f2 * sin).to(x1.dtype), mask=mask)
+    tl.store(base + HALF, (f2 * cos + f1 * sin).to(x1.dtype), mask=mask)
+
+
+def apply_rotary_(
+    qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> None:
+    """Rotate, in place, the heads laid side by side in qk [T, H * head_dim] (rows may be a view
+    into the fused qkv projection: q and k heads in one launch)."""
+    tokens, width = qk.shape
+    num_heads = width // head_dim
+    _rotary_kernel[(tokens,)](
+        qk, positions, cos, sin, qk.stride(0), cos.stride(0), num_heads,
+        HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
+    )  # fmt: skip

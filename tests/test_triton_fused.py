@@ -1,0 +1,77 @@
+"""Fused element-wise Triton kernels against their plain-torch references.
+
+On CPU they run under Triton's interpreter (set before the kernels module is imported, as in
+test_triton_kernels.py); with CUDA, compiled, at realistic sizes too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from sparse_core.kernels import reference as ref  # noqa: E402
+from sparse_core.kernels import triton_fused as tf  # noqa: E402
+
+if not HAS_CUDA:
+    if not triton.knobs.runtime.interpret:
+        pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tf._rms_norm_kernel, InterpretedFunction):
+        tf = importlib.reload(tf)
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+SIZES = [(5, 48)] + ([(300, 4096)] if HAS_CUDA else [])
+
+
+def close(actual, expected, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), SIZES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, rows, cols, with_residual):
+    x = torch.randn(rows, cols, device=DEVICE).to(dtype)
+    residual = torch.randn(rows, cols, device=DEVICE).to(dtype) if with_residual else None
+    weight = torch.rand(cols, device=DEVICE).to(dtype) + 0.5
+    out, res = tf.rms_norm(x, weight, 1e-5, residual)
+    expected, expected_res = ref.rms_norm(x, weight, 1e-5, residual)
+    close(out, expected, dtype)
+    close(res, expected_res, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), SIZES)
+def test_silu_and_mul(dtype, rows, cols):
+    x = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)
+    close(tf.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_q", "num_kv", "head_dim"), [(4, 2, 16), (9, 3, 64)])
+def test_rotary_in_place_on_a_qkv_view(dtype, num_q, num_kv, head_dim):
+    tokens = 7
+    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 3, 1, 17, 9, 2, 30], device=DEVICE)
+    freqs = torch.outer(torch.arange(64.0), torch.rand(head_dim // 2)).to(DEVICE)
+    cos, sin = freqs.cos(), freqs.sin()
+    width = (num_q + num_kv) * head_dim
+    expected = qkv.clone()
+    ref.apply_rotary_(expected[:, :width], positions, cos, sin, head_dim)
+    actual = qkv.clone()
+    tf.apply_rotary_(actual[:, :width], positions, cos, sin, head_dim)
+    close(actual, expected, dtype)
+    assert torch.equal(actual[:, width:], qkv[:, width:])  # v untouched
