@@ -57,13 +57,14 @@ class RayServer(Server):
         return httpx.get(self.metrics_url, timeout=10).text
 
 
-def engine_replicas_running() -> int:
+def engine_status():
     from ray import serve
 
-    app = serve.status().applications.get(APP)
-    if app is None or ENGINE not in app.deployments:
-        return 0
-    return app.deployments[ENGINE].replica_states.get("RUNNING", 0)
+    return serve.status().applications[APP].deployments[ENGINE]
+
+
+def engine_replicas_running() -> int:
+    return engine_status().replica_states.get("RUNNING", 0)
 
 
 @contextlib.contextmanager
@@ -106,8 +107,10 @@ def ray_server() -> Iterator[RayServer]:
         server = RayServer(f"http://127.0.0.1:{http_port}", API_KEY,
                            f"http://127.0.0.1:{metrics_port}/metrics")  # fmt: skip
         assert engine_replicas_running() == 1  # min_replicas
-        with streams_in_flight(server, 6):  # 6 ongoing > target 2 per replica
-            wait_for(lambda: engine_replicas_running() == 2, timeout=180, interval=0.5)
+        with streams_in_flight(server, 4):  # 4 ongoing > target 2 per replica
+            wait_for(lambda: engine_status().status == "UPSCALING", timeout=60, interval=0.2)
+        assert engine_status().status_trigger == "AUTOSCALING"
+        wait_for(lambda: engine_replicas_running() == 2, timeout=180, interval=0.5)
         yield server
     finally:
         serve.shutdown()
@@ -119,8 +122,9 @@ def client(ray_server) -> openai.OpenAI:
     return openai.OpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
 
 
-def greedy(llm, prompt: str, max_tokens: int) -> str:
-    return llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))[0].text
+def greedy(llm, prompts: str | list[str], max_tokens: int) -> str | list[str]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return outs[0].text if isinstance(prompts, str) else [out.text for out in outs]
 
 
 def test_autoscaling_config_is_in_effect(ray_server):
@@ -177,7 +181,7 @@ def test_streaming(client):
 
 def test_twenty_concurrent_requests_are_answered_by_both_replicas(ray_server, dense_llm):
     prompts = [f"Question {i}: what comes after the number {i * 7}? Answer:" for i in range(20)]
-    expected = [greedy(dense_llm, p, 10) for p in prompts]
+    expected = greedy(dense_llm, prompts, 10)
     before = ray_server.ray_metrics()
     client = openai.AsyncOpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
 
