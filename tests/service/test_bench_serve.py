@@ -1,0 +1,43 @@
+"""`kvsparse bench serve` against a running server, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+
+from service.bench_serve import percentile
+from service.cli import main
+from sparse_core import EngineConfig, SparsityConfig
+from tests.service.servers import standalone
+
+
+def test_sweep_reports_every_level(tmp_path, capsys):
+    engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.01)
+    output = tmp_path / "bench.json"
+    with standalone(engine, [SparsityConfig(policy="dense")]) as server:
+        code = main(["bench", "serve", "--base-url", server.v1, "--api-key", server.api_key,
+                     "--concurrency", "1,3", "--input-len", "24", "--output-len", "6",
+                     "--requests-per-client", "2", "--token-range", "1:250", "--label", "tiny",
+                     "--output", str(output)])  # fmt: skip
+    assert code == 0
+    report = json.loads(output.read_text())
+    assert (report["model"], report["label"]) == ("dummy:tiny", "tiny")
+    assert [level["concurrency"] for level in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert level["requests"] == 2 * level["concurrency"]
+        assert level["errors"] == 0
+        # ignore_eos: exactly output-len tokens each; prompts of exactly input-len tokens.
+        tokens = level["requests"] * 6
+        assert abs(level["output_tok_per_s"] * level["wall_s"] - tokens) < 0.05 * tokens
+        total = level["requests"] * (24 + 6)
+        assert abs(level["total_tok_per_s"] * level["wall_s"] - total) < 0.05 * total
+        assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] <= level["ttft_max_s"]
+        assert level["tpot_p50_s"] > 0
+        assert level["e2e_p50_s"] >= level["ttft_p50_s"]
+    assert "| 3 | 6 |" in capsys.readouterr().out  # the table
+
+
+def test_percentile_is_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([3.0], 99) == 3.0

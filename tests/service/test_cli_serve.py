@@ -1,0 +1,65 @@
+"""`kvsparse serve` as a user starts it: a subprocess, flags, the API key from the environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.service.servers import free_port
+
+
+@pytest.fixture(scope="module")
+def served():
+    port = free_port()
+    env = {**os.environ, "KVSPARSE_API_KEY": "env-key"}
+    command = [sys.executable, "-m", "service.cli", "serve", "dummy:tiny", "--host", "127.0.0.1",
+               "--port", str(port), "--policy", "dense", "--max-model-len", "256",
+               "--kv-cache-memory-gb", "0.01", "--served-model-name", "tiny",
+               "--log-level", "warning"]  # fmt: skip
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_serves_the_model_under_its_served_name(served):
+    models = httpx.get(served + "/v1/models", headers={"Authorization": "Bearer env-key"})
+    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+    assert models.json()["data"][0]["max_model_len"] == 256
+    out = httpx.post(
+        served + "/v1/completions",
+        json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+        headers={"Authorization": "Bearer env-key"},
+    )
+    assert out.json()["usage"]["completion_tokens"] == 3
+
+
+def test_the_key_comes_from_the_environment(served):
+    assert httpx.get(served + "/v1/models").status_code == 401
+
+
+def test_bad_flags_exit_with_a_message():
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "dummy:tiny", "--pools", "snapkv:abc"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "budget must be an integer" in result.stderr
