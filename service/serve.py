@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
+import sys
 
 from sparse_core import cli as engine_cli
 
@@ -124,6 +126,8 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         ray.init(address=args.ray_address)
     else:
         ray.init(_metrics_export_port=args.metrics_export_port)
+    # SIGTERM (docker stop, kill) also shuts Serve and the cluster this command started down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(build_app(config), name="kvsparse", route_prefix="/", blocking=True)
