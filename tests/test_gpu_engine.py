@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import gc
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -50,12 +52,24 @@ def test_cuda_graphs_match_eager(monkeypatch):
     )
 
 
-def test_memory_limit_sizes_the_kv_cache():
-    gc.collect()
-    torch.cuda.empty_cache()
-    llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb=4, max_model_len=2048)
-    blocks = llm.engine.stats().kv_blocks["full"]["total"]
-    kv_bytes = blocks * 16 * llm.engine.runner.bytes_per_token_per_layer() * 30
-    assert 1 * 2**30 < kv_bytes < 4 * 2**30
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4
+def test_memory_limit_caps_the_whole_process():
+    """In a fresh process (as a user starts one): the engine sizes its KV cache so that the
+    process, CUDA context included, stays under gpu_memory_limit_gb, and still serves."""
+    script = """
+import json, torch
+from sparse_core import LLM, SamplingParams
+llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb=4, max_model_len=2048)
+out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+free, total = torch.cuda.mem_get_info()
+blocks = llm.engine.stats().kv_blocks["full"]["total"]
+kv = blocks * 16 * llm.engine.runner.bytes_per_token_per_layer() * 30
+print(json.dumps({"used": total - free, "kv": kv, "tokens": len(out.token_ids)}))
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["tokens"] == 4
+    assert 1 * 2**30 < result["kv"] < 4 * 2**30
+    assert result["used"] <= 4.2 * 2**30
