@@ -105,9 +105,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(
         f"[loaded {engine.model_config.name} in {time.monotonic() - start:.1f}s]", file=sys.stderr
     )
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if not args.raw and engine.tokenizer.has_chat_template:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     seq = engine.make_sequence("cli-0", prompt, params)
     engine.add_sequence(seq)
     printed = 0

@@ -77,3 +77,12 @@ def test_compressed_output_reports_its_compression(dense_llm):
     assert out.kv_tokens_per_group == {"full": n, "budget64": 64}
     assert out.compression_ratio == pytest.approx(30 * n / (2 * n + 28 * 64))
     assert out.text  # still produces text
+
+
+def test_chat_uses_the_model_template(dense_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = dense_llm.chat(messages, SamplingParams(max_tokens=16, temperature=0.0))
+    assert "Paris" in out.text
+    assert out.prompt_token_ids == dense_llm.tokenizer.encode(
+        dense_llm.tokenizer.apply_chat_template(messages), add_special_tokens=False
+    )

@@ -68,6 +68,11 @@ class Tokenizer:
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the chat prompt. The template writes any BOS itself, so encoding adds no
+        special tokens (Llama 3 would otherwise start with two)."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
     def _backend(self) -> Any:
         if self._hf is None:
             raise ValueError(
