@@ -1,35 +1,18 @@
 """Fused element-wise Triton kernels against their plain-torch references.
 
-On CPU they run under Triton's interpreter (set before the kernels module is imported, as in
-test_triton_kernels.py); with CUDA, compiled, at realistic sizes too.
+On CPU they run under Triton's interpreter; with CUDA, compiled, at realistic sizes too.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from sparse_core.kernels import reference as ref
+from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
-triton = pytest.importorskip("triton")
+tf = import_kernels("sparse_core.kernels.triton_fused", "_rms_norm_kernel")
 
-from sparse_core.kernels import reference as ref  # noqa: E402
-from sparse_core.kernels import triton_fused as tf  # noqa: E402
-
-if not HAS_CUDA:
-    if not triton.knobs.runtime.interpret:
-        pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tf._rms_norm_kernel, InterpretedFunction):
-        tf = importlib.reload(tf)
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 SIZES = [(5, 48)] + ([(300, 4096)] if HAS_CUDA else [])

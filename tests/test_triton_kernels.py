@@ -1,38 +1,21 @@
 """Triton kernels against the plain-torch reference (the oracle).
 
-Without CUDA the kernels run on CPU under Triton's interpreter at tiny shapes: TRITON_INTERPRET is
-read when a kernel is decorated, i.e. when `triton_kernels` is imported, so it is set here before
-that import (importing torch or triton earlier does not matter). With CUDA the same small cases run
-compiled, and the `gpu` tests add realistic shapes.
+Without CUDA the kernels run on CPU under Triton's interpreter at tiny shapes (tests/triton_setup.py);
+with CUDA the same small cases run compiled, and the `gpu` tests add realistic shapes.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 
 import pytest
 import torch
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from sparse_core.kernels import reference as ref
+from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
-triton = pytest.importorskip("triton")
+tk = import_kernels("sparse_core.kernels.triton_kernels", "_prefill_kernel")
 
-from sparse_core.kernels import reference as ref  # noqa: E402
-from sparse_core.kernels import triton_kernels as tk  # noqa: E402
-
-if not HAS_CUDA:
-    if not triton.knobs.runtime.interpret:
-        pytest.skip("no CUDA and TRITON_INTERPRET is off", allow_module_level=True)
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tk._prefill_kernel, InterpretedFunction):
-        tk = importlib.reload(tk)  # imported earlier without the interpreter: decorate again
-
-DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
