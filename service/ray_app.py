@@ -17,6 +17,7 @@ routed by `service.router.KVCapacityRouter`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 from collections.abc import AsyncIterator
@@ -161,7 +162,10 @@ class RayBackend:
             ) from None
         finally:
             if not done:
-                response.cancel()  # aborts the request in the replica, freeing its KV blocks
+                # Aborts the request in the replica, freeing its KV blocks. Cancelling a request
+                # that was never assigned re-raises why (e.g. BackPressureError): not ours to see.
+                with contextlib.suppress(Exception):
+                    response.cancel()
 
     async def check_health(self) -> None:
         for pool, handle in self.engines.items():

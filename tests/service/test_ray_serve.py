@@ -279,3 +279,51 @@ def _label_values(text: str, name: str, label: str) -> list[str]:
     import re
 
     return re.findall(rf'^{re.escape(name)}\{{[^}}]*\b{label}="([^"]*)"', text, flags=re.M)
+
+
+@pytest.fixture
+def queue_of_one(ray_server) -> Iterator[str]:
+    """A second application: one slow engine replica taking 1 request at a time, and 1 more
+    queued at the ingress's handle."""
+    from ray import serve
+
+    from service.ray_app import build_app
+
+    args = {
+        "model": "dummy:smollm2-135m",  # random weights: slow enough to hold a request
+        "engine": {"max_model_len": 2048, "kv_cache_memory_gb": 0.25},
+        "sparsity": {"policy": "dense"},
+        "max_ongoing_requests": 1,
+        "max_queued_requests": 1,
+        "num_cpus_per_replica": 0,  # the 2 CPUs are the other application's
+    }
+    serve.run(build_app(args), name="queue-of-one", route_prefix="/queue-of-one")
+    try:
+        yield f"{ray_server.base_url}/queue-of-one/v1"
+    finally:
+        serve.delete("queue-of-one")
+
+
+def test_full_queue_is_503_with_retry_after(queue_of_one):
+    long = {"model": "dummy:smollm2-135m", "prompt": "Go", "max_tokens": 2000, "ignore_eos": True}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=queue_of_one, timeout=120) as client:
+            stream = client.stream("POST", "/completions", json={**long, "stream": True})
+            async with stream as running:
+                lines = running.aiter_lines()  # kept: dropping it would close the connection
+                assert (await anext(lines)).startswith("data: ")
+                queued = asyncio.create_task(
+                    client.post("/completions", json={**long, "max_tokens": 2})
+                )
+                await asyncio.sleep(1)
+                refused = await client.post("/completions", json={**long, "max_tokens": 2})
+                assert refused.status_code == 503
+                assert int(refused.headers["Retry-After"]) >= 1
+                assert refused.json()["error"]["code"] == "server_overloaded"
+            # The running request's client left: it is aborted, the queued one runs.
+            served = await queued
+            assert served.status_code == 200
+            assert served.json()["usage"]["completion_tokens"] == 2
+
+    asyncio.run(scenario())
