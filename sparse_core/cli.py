@@ -159,6 +159,9 @@ def add_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
 
     add_arguments(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    from sparse_core.eval.cli import add_eval_subcommands
+
+    add_eval_subcommands(sub)
     return bench
 
 

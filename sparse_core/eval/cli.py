@@ -1,0 +1,174 @@
+"""`kvsparse eval` and `kvsparse calibrate`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from datetime import date
+from pathlib import Path
+
+from sparse_core.config import POLICIES
+from sparse_core.eval import calibrate as cal
+from sparse_core.eval.report import markdown_table, plot, summarize
+from sparse_core.eval.runner import EvalConfig, RunSettings, as_dicts, run_suite
+from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _common_args(p: argparse.ArgumentParser, samples: int, seed: int) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {TASKS}")
+    p.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens")
+    p.add_argument("--samples", type=int, default=samples, help="samples per task and length")
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
+    p.add_argument("--json", default=None, help="write every sample's result here")
+    p.add_argument("--markdown", default=None, help="write the tables here")
+    p.add_argument("--plot", default=None, help="write the PNG plot here")
+
+
+def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
+    ev = sub.add_parser("eval", help="long-context accuracy of sparsity policies (offline tasks)")
+    _common_args(ev, samples=10, seed=0)
+    ev.add_argument("--policies", default=",".join(POLICIES))
+    ev.add_argument("--ratios", default="2,4,8,16", help="nominal compressions of the prompt")
+    ev.add_argument("--full-layers", default="0", help="N, a,b,c or auto (the calibrated set)")
+    ev.add_argument(
+        "--match-effective",
+        action="store_true",
+        help="budgets that make the compression over all layers (full ones too) equal the ratio",
+    )
+    ev.set_defaults(func=cmd_eval)
+
+    ca = sub.add_parser("calibrate", help="find the layers to keep whole; write a profile")
+    _common_args(ca, samples=6, seed=1)  # seed 1: calibrate on other samples than eval's
+    ca.add_argument("--ratio", type=float, default=8.0, help="compression of the probed layers")
+    ca.add_argument("--band-size", type=int, default=3)
+    ca.add_argument("--num-full", type=int, default=10, help="layers the profile keeps whole")
+    ca.add_argument("--compare-ratios", default="2", help="effective compressions to compare at")
+    ca.add_argument("--compare-seed", type=int, default=0, help="samples of the comparison")
+    ca.add_argument("--profile", default=None, help="profile path (default: the shipped one)")
+    ca.set_defaults(func=cmd_calibrate)
+
+
+def _settings(args: argparse.Namespace) -> RunSettings:
+    return RunSettings(
+        model=args.model,
+        window=args.window,
+        sinks=args.sinks,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        device=args.device,
+        dtype=args.dtype,
+    )
+
+
+def _samples(args: argparse.Namespace) -> tuple[list[Sample], object]:
+    from sparse_core.models.loader import load_model_source
+
+    source = load_model_source(args.model)
+    builder = TaskBuilder(source.tokenizer, seed=args.seed)
+    limit = source.config.max_position_embeddings - 64  # room for the answer
+    samples = [
+        s
+        for task in args.tasks.split(",")
+        for length in _ints(args.lengths)
+        for s in builder.build(task, min(length, limit), args.samples)
+    ]
+    return samples, source
+
+
+def _full_layers(text: str) -> int | list[int] | str:
+    from sparse_core.cli import parse_full_layers
+
+    return parse_full_layers(text)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    samples, _ = _samples(args)
+    full = _full_layers(args.full_layers)
+    configs = [
+        EvalConfig("dense")
+        if policy == "dense"
+        else EvalConfig(policy, r, full, match_effective=args.match_effective)
+        for policy in args.policies.split(",")
+        for r in ([None] if policy == "dense" else _floats(args.ratios))
+    ]
+    results = run_suite(configs, samples, _settings(args))
+    _write(args, results, f"{args.model}: accuracy vs compression (query-aware)")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from sparse_core.policy import PROFILE_DIR
+
+    samples, source = _samples(args)
+    num_layers, name = source.config.num_hidden_layers, source.config.name
+    settings = _settings(args)
+    sens, probe_results = cal.measure(samples, settings, num_layers, args.band_size, args.ratio)
+    full = cal.choose_full_layers(sens, args.num_full)
+    for b in sens:
+        print(f"layers {b.layers}: damage {b.damage:+.1f}  rescue {b.rescue:+.1f}", file=sys.stderr)
+    print(f"full layers: {full}", file=sys.stderr)
+    profile = {
+        "model": name,
+        "full_layers": full,
+        "method": (
+            f"snapkv at {args.ratio:g}x on bands of {args.band_size} layers; sensitivity = "
+            "accuracy lost compressing only the band + accuracy regained keeping only it whole"
+        ),
+        "sensitivity": [
+            {"layers": b.layers, "damage": round(b.damage, 2), "rescue": round(b.rescue, 2)}
+            for b in sens
+        ],
+        "suite": {"tasks": args.tasks, "lengths": args.lengths, "samples": args.samples},
+        "seed": args.seed,
+        "date": date.today().isoformat(),
+        "command": "kvsparse " + shlex.join(sys.argv[1:]),
+    }
+    path = Path(args.profile) if args.profile else PROFILE_DIR / f"{name}.json"
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"profile written to {path}", file=sys.stderr)
+    args.seed = args.compare_seed
+    compare_samples, _ = _samples(args)
+    configs = cal.comparison_configs(full, _floats(args.compare_ratios))
+    compare = run_suite(configs, compare_samples, settings)
+    print(markdown_table(summarize(probe_results)))
+    _write(args, compare, f"{name}: layer profiles at equal compression", plot_it=False)
+    if args.plot:
+        cal.plot_sensitivity(
+            sens, args.plot, f"{name}: layer-band sensitivity (snapkv {args.ratio:g}x)"
+        )
+    if args.json:
+        Path(args.json).with_suffix(".probe.json").write_text(
+            json.dumps(as_dicts(probe_results)) + "\n"
+        )
+    return 0
+
+
+def _write(args: argparse.Namespace, results: list, title: str, plot_it: bool = True) -> None:
+    rows = summarize(results)
+    text = (
+        markdown_table(rows) + "\n\nBy task:\n\n" + markdown_table(summarize(results, "task"), "")
+    )
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(as_dicts(results)) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.plot and plot_it:
+        plot(rows, args.plot, title)

@@ -1,0 +1,185 @@
+"""Run the suite: every (policy, compression) configuration over the same samples, through `LLM`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+
+from tqdm import tqdm
+
+import sparse_core.engine.llm_engine as llm_engine
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.eval.tasks import Sample, score
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One row of the table: a policy at a nominal compression of the prompt.
+
+    ratio: nominal compression (prompt length / budget of a sparse layer); None for dense.
+    full_layers: layers kept whole; with `match_effective`, the budget of the other layers is
+    chosen so that the compression over ALL layers equals `ratio` (for comparing layer profiles
+    at equal memory), otherwise budget = length / ratio.
+    """
+
+    policy: str
+    ratio: float | None = None
+    full_layers: int | list[int] | str = 0
+    match_effective: bool = False
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or (
+            self.policy if self.ratio is None else f"{self.policy}@{self.ratio:g}x"
+        )
+
+    def budget(self, length: int, num_layers: int, num_full: int) -> int | None:
+        if self.ratio is None:
+            return None
+        if not self.match_effective:
+            return max(1, round(length / self.ratio))
+        # kept token-layers = num_full * n + (L - num_full) * B = L * n / ratio
+        sparse = num_layers - num_full
+        return max(1, round(length * (num_layers / self.ratio - num_full) / sparse))
+
+    def sparsity(self, budget: int | None, window: int, sinks: int) -> SparsityConfig:
+        if budget is None:
+            return SparsityConfig(policy="dense")
+        full = list(self.full_layers) if isinstance(self.full_layers, tuple) else self.full_layers
+        return SparsityConfig(
+            policy=self.policy, budget=budget, window=window, sinks=sinks, full_layers=full
+        )
+
+
+@dataclass
+class SampleResult:
+    config: str
+    task: str
+    length: int
+    index: int
+    depth: float | None
+    prompt_tokens: int
+    score: float
+    compression: float  # effective: prompt token-layers / kept token-layers, over all layers
+    output: str
+
+
+@dataclass
+class RunSettings:
+    model: str = "smollm2-135m-instruct"
+    window: int = 32
+    sinks: int = 4
+    max_num_seqs: int = 32
+    kv_cache_memory_gb: float = 4.0
+    device: str | None = None
+    dtype: str | None = None
+    engine_args: dict = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def shared_model_source() -> Iterator[None]:
+    """Load the weights and tokenizer once for all the engines of a sweep.
+
+    Memoises the engine's loader while the sweep runs: loading (GGUF dequantisation) costs more
+    than building an engine, and a sweep builds one engine per configuration and length.
+    """
+    original = llm_engine.load_model_source
+    cache: dict[str, object] = {}
+
+    def load(model: str, hf_overrides: dict | None = None):
+        key = f"{model}|{json.dumps(hf_overrides or {}, sort_keys=True)}"
+        if key not in cache:
+            cache[key] = original(model, hf_overrides)
+        return cache[key]
+
+    llm_engine.load_model_source = load
+    try:
+        yield
+    finally:
+        llm_engine.load_model_source = original
+
+
+def num_full_layers(config: EvalConfig, num_layers: int, model_name: str) -> int:
+    from sparse_core.policy import resolve_full_layers
+
+    if config.ratio is None:
+        return num_layers
+    probe = SparsityConfig(policy=config.policy, budget=10**6, full_layers=config.full_layers)
+    return len(resolve_full_layers(probe, num_layers, model_name))
+
+
+def run_config(
+    config: EvalConfig,
+    samples: list[Sample],
+    settings: RunSettings,
+    bar: tqdm | None = None,
+) -> list[SampleResult]:
+    """All samples under one configuration: one engine per prompt length (budgets scale with it)."""
+    results: list[SampleResult] = []
+    by_length: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_length.setdefault(s.length, []).append(s)
+    lengths = sorted(by_length) if config.ratio is not None else [max(by_length)]
+    for length in lengths:
+        group = by_length[length] if config.ratio is not None else samples
+        llm = _make_llm(config, length, settings)
+        params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in group]
+        outs = llm.generate([s.prompt_ids for s in group], params)
+        for s, out in zip(group, outs, strict=True):
+            results.append(
+                SampleResult(
+                    config=config.name,
+                    task=s.task,
+                    length=s.length,
+                    index=s.index,
+                    depth=s.depth,
+                    prompt_tokens=len(s.prompt_ids),
+                    score=score(s, out.text),
+                    compression=out.compression_ratio,
+                    output=out.text,
+                )
+            )
+        if bar is not None:
+            bar.update(len(group))
+    return results
+
+
+def _make_llm(config: EvalConfig, length: int, settings: RunSettings) -> LLM:
+    source = llm_engine.load_model_source(settings.model)
+    num_layers, name = source.config.num_hidden_layers, source.config.name
+    budget = config.budget(length, num_layers, num_full_layers(config, num_layers, name))
+    sparsity = config.sparsity(budget, settings.window, settings.sinks)
+    return LLM(
+        model=settings.model,
+        sparsity=sparsity,
+        max_model_len=min(length + 64, source.config.max_position_embeddings),
+        max_num_seqs=settings.max_num_seqs,
+        kv_cache_memory_gb=settings.kv_cache_memory_gb,
+        device=settings.device,
+        dtype=settings.dtype,
+        enforce_eager=True,  # graphs only speed up decode, and each engine would capture its own
+        **settings.engine_args,
+    )
+
+
+def run_suite(
+    configs: list[EvalConfig], samples: list[Sample], settings: RunSettings, progress: bool = True
+) -> list[SampleResult]:
+    results: list[SampleResult] = []
+    with (
+        shared_model_source(),
+        tqdm(total=len(configs) * len(samples), desc="eval", disable=not progress) as bar,
+    ):
+        for config in configs:
+            start = time.monotonic()
+            results += run_config(config, samples, settings, bar)
+            bar.set_postfix_str(f"{config.name} {time.monotonic() - start:.0f}s")
+    return results
+
+
+def as_dicts(results: list[SampleResult]) -> list[dict]:
+    return [asdict(r) for r in results]
