@@ -1,0 +1,88 @@
+"""Run kvpress's SnapKV / PyramidKV / StreamingLLM presses on the same prompts (query-aware).
+
+Runs in the kvpress environment (setup.sh), without importing sparse_core:
+    python scripts/kvpress/run_kvpress.py SAMPLES.json OUT.json [--ratios 2,4,8]
+Each prompt is prefilled under the press (`with press(model): model.generate(...)`), so the
+question at the end of the prompt is inside SnapKV's observation window, as in our engine.
+Results have the fields of sparse_core.eval.runner.SampleResult.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+PRESSES = {"snapkv": SnapKVPress, "pyramid": PyramidKVPress, "streamingllm": StreamingLLMPress}
+
+
+def make_press(policy: str, ratio: float):
+    # kvpress's compression_ratio is the fraction of tokens removed: 2x -> 0.5.
+    press = PRESSES[policy](compression_ratio=1 - 1 / ratio)
+    if policy in ("snapkv", "pyramid"):
+        # Our engine's window is 32 with kernel 7 (kvpress defaults: 64 and 5).
+        press.window_size, press.kernel_size = 32, 7
+    return press
+
+
+def score(answers: list[str], text: str) -> float:
+    return sum(a.lower() in text.lower() for a in answers) / len(answers)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("samples")
+    p.add_argument("out")
+    p.add_argument("--ratios", default="2,4,8")
+    p.add_argument("--policies", default="dense,snapkv,pyramid,streamingllm")
+    args = p.parse_args()
+    data = json.loads(Path(args.samples).read_text())
+    path = data["gguf"]
+    kw = {"gguf_file": os.path.basename(path)}
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), dtype=torch.float32, attn_implementation="eager", **kw
+    ).eval()
+    results = []
+    for policy in args.policies.split(","):
+        ratios = [None] if policy == "dense" else [float(r) for r in args.ratios.split(",")]
+        for ratio in ratios:
+            name = policy if ratio is None else f"{policy}@{ratio:g}x"
+            for s in data["samples"]:
+                ids = torch.tensor([s["prompt_ids"]])
+                gen = dict(
+                    max_new_tokens=s["max_tokens"],
+                    do_sample=False,
+                    attention_mask=torch.ones_like(ids),
+                )
+                with torch.no_grad():
+                    if ratio is None:
+                        out = model.generate(ids, **gen)
+                    else:
+                        with make_press(policy, ratio)(model):
+                            out = model.generate(ids, **gen)
+                text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+                results.append(
+                    {
+                        "config": name,
+                        "task": s["task"],
+                        "length": s["length"],
+                        "index": s["index"],
+                        "depth": s["depth"],
+                        "prompt_tokens": ids.shape[1],
+                        "score": score(s["answers"], text),
+                        "compression": ratio or 1.0,
+                        "output": text,
+                    }
+                )
+            print(name, sum(r["score"] for r in results if r["config"] == name), flush=True)
+    Path(args.out).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

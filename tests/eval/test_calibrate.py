@@ -1,0 +1,78 @@
+"""Budget arithmetic, band selection, and the calibrate command's output (measurements faked)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparse_core.eval import calibrate as cal
+from sparse_core.eval.runner import EvalConfig
+
+
+@pytest.mark.parametrize("full", [0, 3, 10])
+def test_matched_budget_gives_the_effective_ratio(full):
+    n, layers = 1000, 30
+    config = EvalConfig("snapkv", 2.0, full, match_effective=True)
+    budget = config.budget(n, layers, full)
+    kept = full * n + (layers - full) * budget
+    assert n * layers / kept == pytest.approx(2.0, rel=0.01)
+
+
+def test_nominal_budget_is_length_over_ratio():
+    assert EvalConfig("snapkv", 4.0).budget(1000, 30, 0) == 250
+    assert EvalConfig("dense").budget(1000, 30, 30) is None
+
+
+def test_most_sensitive_bands_are_kept_whole():
+    sens = [
+        cal.BandSensitivity([0, 1, 2], damage=1, rescue=0),
+        cal.BandSensitivity([3, 4, 5], damage=30, rescue=20),
+        cal.BandSensitivity([6, 7, 8], damage=10, rescue=5),
+    ]
+    assert cal.choose_full_layers(sens, 4) == [3, 4, 5, 6]
+    assert cal.bands(7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch):
+    from sparse_core.cli import build_parser
+    from sparse_core.eval import cli as eval_cli
+    from sparse_core.eval.runner import SampleResult
+
+    def fake_run_suite(configs, samples, settings, progress=True):
+        # Layers 10-14 matter: compressing them loses everything, keeping them whole saves it.
+        def acc(c: EvalConfig) -> float:
+            if c.name == "dense":
+                return 1.0
+            full = set(c.full_layers) if isinstance(c.full_layers, list) else set()
+            return 1.0 if set(range(10, 15)) <= full else 0.0
+
+        return [SampleResult(c.name, "t", 500, 0, None, 500, acc(c), 2.0, "") for c in configs]
+
+    monkeypatch.setattr(eval_cli, "_samples", lambda args: ([], _FakeSource()))
+    monkeypatch.setattr(cal, "run_suite", fake_run_suite)
+    monkeypatch.setattr(eval_cli, "run_suite", fake_run_suite)
+    profile = tmp_path / "profile.json"
+    args = build_parser().parse_args(
+        ["calibrate", "--band-size", "5", "--num-full", "5", "--profile", str(profile)]
+    )
+    assert args.func(args) == 0
+    data = json.loads(profile.read_text())
+    assert data["full_layers"] == [10, 11, 12, 13, 14]
+    assert {"sensitivity", "command", "suite"} <= set(data)
+
+
+class _FakeSource:
+    class config:
+        num_hidden_layers = 30
+        name = "fake-model"
+
+
+def test_shipped_profile_loads_for_auto():
+    from sparse_core.config import SparsityConfig
+    from sparse_core.policy import plan_layers
+
+    plan = plan_layers(
+        SparsityConfig(policy="snapkv", budget=128, full_layers="auto"), 30, "smollm2-135m-instruct"
+    )
+    assert 0 < len(plan.full_layers) < 30

@@ -1,0 +1,51 @@
+"""The offline tasks: lengths, needles, depths, determinism and scoring."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder, score
+
+LENGTH = 600
+
+
+@pytest.fixture(scope="module")
+def builder(dense_llm) -> TaskBuilder:
+    return TaskBuilder(dense_llm.tokenizer, seed=0)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_prompts_fill_the_length_and_hold_the_answers(builder, task):
+    samples = builder.build(task, LENGTH, 3)
+    for s in samples:
+        assert 0.9 * LENGTH <= len(s.prompt_ids) <= LENGTH
+        text = builder.tokenizer.decode(s.prompt_ids)
+        assert all(a in text for a in s.answers), (task, s.answers)
+        # The question comes last: the answer's start follows the assistant header.
+        assert text.rstrip().endswith(("is", "are", "are:", "they are:"))
+
+
+def test_samples_are_seeded(dense_llm, builder):
+    again = TaskBuilder(dense_llm.tokenizer, seed=0).build("niah_multikey", LENGTH, 2)
+    other = TaskBuilder(dense_llm.tokenizer, seed=1).build("niah_multikey", LENGTH, 2)
+    first = builder.build("niah_multikey", LENGTH, 2)
+    assert [s.prompt_ids for s in first] == [s.prompt_ids for s in again]
+    assert [s.prompt_ids for s in first] != [s.prompt_ids for s in other]
+
+
+def test_needle_depth_moves_the_needle(builder):
+    shallow, deep = builder.build("niah_single_english", LENGTH, 2)
+    assert (shallow.depth, deep.depth) == (0.0, 1.0)
+
+    def where(s: Sample) -> float:
+        text = builder.tokenizer.decode(s.prompt_ids)
+        return text.index(s.answers[0]) / len(text)
+
+    assert where(shallow) < 0.3 < 0.7 < where(deep)
+
+
+def test_score_is_the_fraction_of_answers_found():
+    s = Sample("t", 10, 0, None, [1], ["123", "456"], 8)
+    assert score(s, "the numbers are 123 and 456") == 1.0
+    assert score(s, "only 123") == 0.5
+    assert score(s, "12 3") == 0.0
