@@ -60,7 +60,6 @@ class RayAppConfig:
     max_ongoing_requests: int | None = None  # per replica; default 2 x max_num_seqs
     max_queued_requests: int = 256  # per caller, beyond which requests get 503
     num_cpus_per_replica: float = 1
-    tensor_parallel_size: int = 1  # GPUs reserved per replica (the engine's, if it has one)
     routing_stats_period_s: float = 1.0
     ingress_replicas: int = 1
     ingress_num_cpus: float = 0  # the ingress is I/O bound; engines get the CPUs
@@ -79,17 +78,18 @@ class RayAppConfig:
 def replica_resources(tensor_parallel_size: int, num_cpus: float, use_gpu: bool) -> dict[str, Any]:
     """Deployment options reserving a replica's devices.
 
-    On GPUs, a replica with tensor parallel size N holds one placement-group bundle with N GPUs:
-    the engine starts its tensor-parallel workers as local processes, so all N must be on one
-    node and visible to the replica.
+    The engine runs its tensor-parallel ranks as processes it spawns itself, so a replica with
+    tensor parallel size N holds all of them: one placement-group bundle of N GPUs (and N times
+    `num_cpus`), packed on one node and visible to the replica.
     """
-    if not use_gpu:
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs GPUs")
-        return {"ray_actor_options": {"num_cpus": num_cpus}}
-    bundle = {"CPU": num_cpus, "GPU": tensor_parallel_size}
+    actor: dict[str, Any] = {"num_cpus": num_cpus * tensor_parallel_size}
+    if use_gpu:
+        actor["num_gpus"] = tensor_parallel_size
+    if tensor_parallel_size == 1:
+        return {"ray_actor_options": actor}
+    bundle = {"CPU": actor["num_cpus"], **({"GPU": tensor_parallel_size} if use_gpu else {})}
     return {
-        "ray_actor_options": {"num_cpus": num_cpus, "num_gpus": tensor_parallel_size},
+        "ray_actor_options": actor,
         "placement_group_bundles": [bundle],
         "placement_group_strategy": "STRICT_PACK",
     }
@@ -211,7 +211,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = EngineConfig(**{**cfg.engine, "model": cfg.model})
     pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
     served_name = cfg.served_model_name or cfg.model
-    tensor_parallel_size = getattr(engine, "tensor_parallel_size", cfg.tensor_parallel_size)
+    tensor_parallel_size = getattr(engine, "tensor_parallel_size", 1)  # engine: {...} sets it
     autoscaling = {
         **cfg.autoscaling_config,
         "min_replicas": cfg.min_replicas,

@@ -17,9 +17,6 @@ API_KEY_ENV = "KVSPARSE_API_KEY"
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
     engine_cli.add_engine_args(parser)
-    if "--tensor-parallel-size" not in parser._option_string_actions:
-        # Until the engine has its own flag: here it only sizes Ray's GPU reservation.
-        parser.add_argument("--tensor-parallel-size", type=int, default=1)
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
@@ -118,7 +115,6 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         "max_ongoing_requests": args.max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         "num_cpus_per_replica": args.num_cpus_per_replica,
-        "tensor_parallel_size": args.tensor_parallel_size,
     }
     if args.max_inflight_requests:
         config["max_inflight_requests"] = args.max_inflight_requests

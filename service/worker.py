@@ -110,13 +110,11 @@ class EngineWorker:
         param = "messages" if req.messages is not None else "prompt"
         try:
             if req.messages is not None:
-                prompt: str | list[int] = tokenizer.apply_chat_template(req.messages)
+                ids = tokenizer.encode_chat(req.messages)  # the model's own chat template
+            elif isinstance(req.prompt, str):
+                ids = tokenizer.encode(req.prompt) if req.prompt else []
             else:
-                prompt = req.prompt if req.prompt is not None else ""
-            if isinstance(prompt, str):
-                ids = tokenizer.encode(prompt) if prompt else []
-            else:
-                ids = list(prompt)
+                ids = list(req.prompt or [])
         except ValueError as exc:  # no tokenizer, no chat template
             raise APIError(400, str(exc), param=param) from None
         if not ids:

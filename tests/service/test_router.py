@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from service.messages import RoutingStats
 from service.ray_app import replica_resources
 from service.router import rank_key
@@ -48,14 +46,17 @@ def test_a_replica_without_a_report_counts_as_empty():
     assert best((None, 0), (None, 1)) == 0
 
 
-def test_cpu_replica_reserves_cpus_only():
+def test_one_rank_replica_reserves_its_cpus_and_gpu():
     assert replica_resources(1, 2, use_gpu=False) == {"ray_actor_options": {"num_cpus": 2}}
-    with pytest.raises(ValueError, match="needs GPUs"):
-        replica_resources(2, 1, use_gpu=False)
+    assert replica_resources(1, 2, use_gpu=True) == {
+        "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}
+    }
 
 
 def test_tensor_parallel_replica_reserves_its_gpus_in_one_placement_group_bundle():
     options = replica_resources(4, 2, use_gpu=True)
-    assert options["placement_group_bundles"] == [{"CPU": 2, "GPU": 4}]
+    assert options["placement_group_bundles"] == [{"CPU": 8, "GPU": 4}]
     assert options["placement_group_strategy"] == "STRICT_PACK"
-    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 4}
+    assert options["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 4}
+    on_cpu = replica_resources(2, 1, use_gpu=False)  # ranks as processes (gloo)
+    assert on_cpu["placement_group_bundles"] == [{"CPU": 2}]
