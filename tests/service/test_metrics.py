@@ -99,3 +99,16 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(real_server):
         aborted_before + 1
     )
     assert metric_sum(metrics, "kvsparse_num_requests_running", pool="snapkv-64") == 0
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(real_server):
+    wait_for(lambda: blocks_used(real_server) == 0)
+    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                                finished_reason="abort")  # fmt: skip
+    body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 500, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {real_server.api_key}"}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(real_server.v1 + "/completions", json=body, headers=headers, timeout=2)
+    wait_for(lambda: metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                                finished_reason="abort") == aborted_before + 1)  # fmt: skip
+    wait_for(lambda: blocks_used(real_server) == 0, timeout=10)

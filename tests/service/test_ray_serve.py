@@ -90,8 +90,8 @@ def ray_server() -> Iterator[RayServer]:
     replicas: the autoscaling config at work."""
     import ray
     from ray import serve
-
-    from service.ray_app import build_app
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     metrics_port, http_port = free_port(), free_port()
     ray.init(
@@ -103,7 +103,9 @@ def ray_server() -> Iterator[RayServer]:
     )
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(ARGS), name=APP, route_prefix="/")
+        # What `serve run` / `serve deploy` do with a config file's import_path and args.
+        builder = import_attr("service.ray_app:build_app")
+        serve.run(call_user_app_builder_with_args_if_necessary(builder, ARGS), name=APP)
         server = RayServer(f"http://127.0.0.1:{http_port}", API_KEY,
                            f"http://127.0.0.1:{metrics_port}/metrics")  # fmt: skip
         assert engine_replicas_running() == 1  # min_replicas
@@ -271,6 +273,15 @@ def test_disconnect_mid_stream_frees_kv_blocks(ray_server):
         wait_for(lambda: used_blocks() > 0, timeout=30)  # both requests hold KV blocks
     # Both clients went away: each replica aborted its request and freed the blocks.
     wait_for(lambda: aborted() == aborted_before + 2, timeout=30)
+    wait_for(lambda: used_blocks() == 0, timeout=30)
+
+    # The same for a client waiting for a whole (non-streamed) answer.
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+            "ignore_eos": True}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(ray_server.v1 + "/completions", json=body, timeout=3,
+                   headers={"Authorization": f"Bearer {API_KEY}"})  # fmt: skip
+    wait_for(lambda: aborted() == aborted_before + 3, timeout=30)
     wait_for(lambda: used_blocks() == 0, timeout=30)
 
 
