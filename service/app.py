@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 
 from service.errors import APIError, overloaded
 from service.messages import GenerateRequest
-from service.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields, parse
+from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from service.responses import ChatFormat, Choice, CompletionFormat
 from service.settings import ServerSettings
 from service.streams import Backend, close_all, merge, open_streams
@@ -114,7 +114,7 @@ def build_app(
 
     async def generate(
         request: Request,
-        req: _SamplingFields,
+        req: SamplingFields,
         prompts: list[dict[str, Any]],
         max_tokens: int | None,
         fmt: CompletionFormat,

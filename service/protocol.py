@@ -29,7 +29,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingFields(_Strict):
+class SamplingFields(_Strict):
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -69,7 +69,7 @@ class _SamplingFields(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
     echo: bool = False
@@ -114,7 +114,7 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -141,7 +141,7 @@ class ChatCompletionRequest(_SamplingFields):
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
 
-def parse(model: type[_SamplingFields], body: bytes) -> Any:
+def parse(model: type[SamplingFields], body: bytes) -> Any:
     """Validate a JSON body; malformed JSON and wrong fields become a 400 naming the field."""
     try:
         request = model.model_validate_json(body)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 
-from tests.service.servers import MODEL, metric_sum, metric_values, wait_for
+from sparse_core import EngineConfig, SparsityConfig
+from tests.service.servers import MODEL, metric_sum, metric_values, standalone, wait_for
 
 LONG_PROMPT = " ".join(f"Line {i}: the value is {i * 13 % 97}." for i in range(40))
 
@@ -112,3 +115,25 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(real_server):
     wait_for(lambda: metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
                                 finished_reason="abort") == aborted_before + 1)  # fmt: skip
     wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
+
+
+def test_preemptions_are_counted():
+    # KV for 512 tokens (2 full sequences) and 4 requests growing to 220 tokens each.
+    engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.0005)
+    with standalone(engine, [SparsityConfig(policy="dense")]) as server:
+        client = openai.AsyncOpenAI(base_url=server.v1, api_key=server.api_key, max_retries=0)
+
+        async def run_all() -> list[int]:
+            outs = await asyncio.gather(*(
+                client.completions.create(model="dummy:tiny", prompt=[5 + i] * 20, max_tokens=200,
+                                          extra_body={"ignore_eos": True})
+                for i in range(4)
+            ))  # fmt: skip
+            await client.close()
+            return [out.usage.completion_tokens for out in outs]
+
+        assert asyncio.run(run_all()) == [200] * 4
+        metrics = wait_for(
+            lambda: metric_values(server.metrics(), "kvsparse_num_preemptions_total")
+        )
+        assert sum(metrics) >= 1
