@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import re
 import socket
@@ -191,3 +192,18 @@ def send(server: Server, case: BadRequest, api_key: str | None = None) -> httpx.
             server.base_url + case.path, content=case.body, headers=headers, timeout=60
         )
     return httpx.post(server.base_url + case.path, json=case.body, headers=headers, timeout=60)
+
+
+def abandon_request(url: str, body: dict, headers: dict, generating) -> None:
+    """POST a (non-streaming) request and close the connection once `generating()` is true."""
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=300) as client:
+            task = asyncio.create_task(client.post(url, json=body, headers=headers))
+            await asyncio.to_thread(wait_for, lambda: task.done() or generating(), 60)
+            assert not task.done(), task.result().text  # still waiting for the answer
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(run())
