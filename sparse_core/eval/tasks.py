@@ -234,14 +234,15 @@ class TaskBuilder:
             "appeared words in the above coded text?"
         )
         prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
-        per_word = self.count(" " + vocab[0]) or 1
-        num_words = (length - len(self._prompt(instruction, "", question, prefix))) // per_word
+        overhead = len(self._prompt(instruction, "", question, prefix))
+        num_words = length - overhead  # at least one token per word: an upper bound
         while True:
             words = rng.choices(vocab, weights=weights, k=num_words)
             ids = self._prompt(instruction, " ".join(words), question, prefix)
             if len(ids) <= length:
                 break
-            num_words -= (len(ids) - length) // per_word + 4
+            per_word = (len(ids) - overhead) / num_words
+            num_words -= int((len(ids) - length) / per_word) + 1
         counts = {w: words.count(w) for w in set(words)}
         top = sorted(counts, key=lambda w: (-counts[w], w))[:3]
         return Sample("frequent_words", length, 0, None, ids, top, 24)
