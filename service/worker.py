@@ -10,13 +10,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 from service.errors import APIError
 from service.messages import Chunk, GenerateRequest, RoutingStats
 from service.metrics import MetricsRecorder
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.async_engine import AsyncLLM
+from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class EngineWorker:
         """Chunks of one request; APIError before the first chunk if the request is invalid."""
         arrival = time.monotonic()
         try:
-            prompt_ids, params = self._validate(req)
+            prompt_ids, params, outputs = self._validate(req)
         except APIError:
             self.metrics.failed()
             raise
@@ -60,9 +61,7 @@ class EngineWorker:
         last_token_time: float | None = None
         reason = "abort"  # unless the engine says otherwise: the consumer went away
         try:
-            async with contextlib.aclosing(
-                self.llm.generate(prompt_ids, params, request_id=req.request_id)
-            ) as outputs:
+            async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     now = time.monotonic()
                     new_tokens = len(out.token_ids) - sent_tokens
@@ -94,16 +93,18 @@ class EngineWorker:
                 self.metrics.failed()
             self.metrics.engine_state(self.llm.stats())
 
-    def _validate(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+    def _validate(
+        self, req: GenerateRequest
+    ) -> tuple[list[int], SamplingParams, AsyncGenerator[RequestOutput, None]]:
+        """The request's prompt ids, sampling params and (not yet started) engine stream."""
         prompt_ids, param = self._prompt_ids(req)
         params = self._sampling_params(req, len(prompt_ids))
         try:
-            # Validate eagerly (KV capacity, ids) so that errors are 4xx before streaming starts;
-            # AsyncLLM.generate validates again, lazily, on its first step.
-            self.llm.engine.make_sequence(req.request_id, prompt_ids, params)
+            # The engine validates eagerly (KV capacity, ids): errors are 4xx before streaming.
+            outputs = self.llm.generate(prompt_ids, params, request_id=req.request_id)
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
-        return prompt_ids, params
+        return prompt_ids, params, outputs
 
     def _prompt_ids(self, req: GenerateRequest) -> tuple[list[int], str]:
         tokenizer = self.llm.tokenizer
@@ -167,7 +168,7 @@ class EngineWorker:
         return RoutingStats(free, per_request, stats.num_running, stats.num_waiting, max_seqs)
 
     def healthy(self) -> bool:
-        return self.llm._thread.is_alive()
+        return self.llm.is_running
 
     async def publish_metrics_forever(self, interval_s: float = 1.0) -> None:
         """Engine gauges (running, waiting, KV blocks) also move while no request is answered."""

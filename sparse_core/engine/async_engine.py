@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from sparse_core.config import EngineConfig, SparsityConfig
@@ -43,19 +43,29 @@ class AsyncLLM:
         """Counts as of the last step (read without touching the engine thread's state)."""
         return self._stats
 
-    async def generate(
+    @property
+    def is_running(self) -> bool:
+        """The engine thread is alive (a health check)."""
+        return self._thread.is_alive()
+
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's output after every step until it finishes.
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Validate the request now, then return its stream: the output after every step until
+        it finishes.
 
-        Validation errors raise ValueError before anything is queued. If the consumer stops
-        iterating (a client disconnected), the request is aborted and its blocks freed.
+        A bad request raises ValueError here, before anything is queued; the request is queued
+        when the stream is first iterated. If the consumer stops iterating (a client
+        disconnected), the request is aborted and its blocks freed.
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        seq = self.engine.make_sequence(request_id, prompt, params)
+        return self._stream(self.engine.make_sequence(request_id, prompt, params))
+
+    async def _stream(self, seq: Sequence) -> AsyncGenerator[RequestOutput, None]:
+        request_id = seq.request_id
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", seq))
@@ -81,6 +91,7 @@ class AsyncLLM:
         self._stopped.set()
         self._commands.put(("stop", None))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     def _loop(self) -> None:
         engine = self.engine
