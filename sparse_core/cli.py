@@ -31,6 +31,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs (processes on CPU) that split every layer's heads; KV heads must divide by it",
+    )
+    engine.add_argument(
         "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)"
     )
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -72,6 +79,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         gpu_memory_utilization=args.gpu_memory_utilization,
         gpu_memory_limit_gb=args.gpu_memory_limit_gb,
         enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,

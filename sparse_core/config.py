@@ -104,6 +104,9 @@ class EngineConfig:
       between layer groups so that every group runs out at the same number of sequences.
     max_num_batched_tokens: tokens per prefill step; prompts are prefilled whole, so it is at
       least max_model_len.
+    tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
+      vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
+      (kv_cache_memory_gb, gpu_memory_*) are per rank.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -120,10 +123,11 @@ class EngineConfig:
     dtype: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is None:

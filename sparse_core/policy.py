@@ -141,12 +141,14 @@ def select_kept_tokens(
     scale: float,
     ops: KernelOps,
     generator: torch.Generator | None = None,
+    kv_heads: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Rows of the packed K/V that a layer keeps, per KV head, for several prompts at once.
 
     q [T, Hq, D] and k [T, Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
     lse [Hq, T] the attention kernel's row LSE, or None to compute the window rows' LSE here;
-    prompts: the prompts to compress (each longer than the budget).
+    prompts: the prompts to compress (each longer than the budget);
+    kv_heads: (first, total) when k holds only some of the model's KV heads (tensor parallelism).
     Returns int64 [Hkv, len(prompts.bounds) * budget]: prompt j's kept rows, ascending, in columns
     [j * budget, (j + 1) * budget). Every step after the scores is batched over the prompts, so
     the launches per layer do not grow with the number of prompts.
@@ -165,7 +167,9 @@ def select_kept_tokens(
         )
         kept = positions.unsqueeze(1).expand(-1, k.shape[1], -1)
     else:
-        scores = [_window_scores(sparsity, q, k, lse, b, scale, ops, generator) for b in bounds]
+        scores = [
+            _window_scores(sparsity, q, k, lse, b, scale, ops, generator, kv_heads) for b in bounds
+        ]
         kept = _top_tokens(sparsity, budget, scores, lengths)
     rows = kept + starts.view(-1, 1, 1)  # [S, Hkv, budget]
     return rows.permute(1, 0, 2).reshape(k.shape[1], -1)
@@ -180,13 +184,16 @@ def _window_scores(
     scale: float,
     ops: KernelOps,
     generator: torch.Generator | None,
+    kv_heads: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """[Hkv, n - window] scores of one prompt's non-window tokens."""
     start, end = bounds
     window = sparsity.window
     if sparsity.policy == "random":
-        scores = torch.rand(k.shape[1], end - start - window, generator=generator)
-        return scores.to(k.device)
+        # Draw for all of the model's KV heads and keep this rank's: the same draws at any TP size.
+        first, total = kv_heads or (0, k.shape[1])
+        scores = torch.rand(total, end - start - window, generator=generator)
+        return scores[first : first + k.shape[1]].to(k.device)
     q_win, keys = q[end - window : end], k[start:end]
     lse_win = ops.window_lse(q_win, keys, scale) if lse is None else lse[:, end - window : end]
     return ops.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)

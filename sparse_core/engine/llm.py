@@ -17,7 +17,9 @@ class LLM:
 
     `model` is the built-in alias "smollm2-135m-instruct", a local Hugging Face directory, a
     .gguf file, or "dummy:<preset>" (random weights). Other keyword arguments are EngineConfig
-    fields (max_num_seqs, max_model_len, kv_cache_memory_gb, device, dtype, ...).
+    fields (max_num_seqs, max_model_len, kv_cache_memory_gb, device, dtype,
+    tensor_parallel_size, ...). With tensor_parallel_size > 1, call `shutdown()` (or use
+    `with LLM(...) as llm:`) to stop the worker processes.
     """
 
     def __init__(
@@ -34,6 +36,15 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def generate(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -11,13 +12,15 @@ import torch
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.memory import split_kv_memory
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.distributed.driver import TensorParallelWorkers
+from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import Scheduler
 from sparse_core.engine.sequence import Sequence
-from sparse_core.models.loader import load_model_source
+from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.policy import plan_layers
 
 logger = logging.getLogger(__name__)
@@ -47,6 +50,10 @@ class EngineStats:
 
 
 class LLMEngine:
+    """With tensor_parallel_size > 1 the engine starts worker processes (ranks 1..tp-1); stop
+    them with `shutdown()` or `with LLMEngine(...) as engine:` (garbage collection and
+    interpreter exit also stop them)."""
+
     def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
         self.config = config
         self.sparsity = sparsity
@@ -54,7 +61,19 @@ class LLMEngine:
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.plan = plan_layers(sparsity, source.config.num_hidden_layers, source.config.name)
-        self.runner = ModelRunner(config, sparsity, source, self.plan)
+        self.workers: TensorParallelWorkers | None = None
+        if config.tensor_parallel_size > 1:
+            check_tp_divisibility(source.config, config.tensor_parallel_size)
+            self.workers = TensorParallelWorkers(config, sparsity, source)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
+        try:
+            self._start(config, source)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start(self, config: EngineConfig, source: ModelSource) -> None:
+        self.runner = ModelRunner(config, self.sparsity, source, self.plan, self.workers)
         blocks = split_kv_memory(
             self.plan,
             self._kv_cache_bytes(),
@@ -79,6 +98,16 @@ class LLMEngine:
             self.runner.dtype,
             {g.name: (len(g.layers), n) for g, n in zip(self.plan.groups, blocks, strict=True)},
         )
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        self._finalizer()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def _kv_cache_bytes(self) -> int:
         config = self.config
@@ -259,3 +288,8 @@ class LLMEngine:
         """No block leaked or owned twice in any pool (used by tests)."""
         live = self.scheduler.running
         self.block_manager.check_invariants(live)
+
+
+def _stop_workers(workers: TensorParallelWorkers | None) -> None:
+    if workers is not None:
+        workers.shutdown()

@@ -1,19 +1,32 @@
-"""Owns the model and the KV caches; turns a scheduled batch into tensors, runs it, samples."""
+"""Owns the model and the KV caches; turns a scheduled batch into tensors, runs it, samples.
+
+Under tensor parallelism every rank has a ModelRunner over its share of the model. Rank 0's
+prepares each step's host-side inputs (a PrefillBatch or DecodeBatch), hands them to the worker
+ranks, and every rank runs `execute`; only rank 0 samples.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.sequence import Sequence
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import CompressJobs, GroupStepMetadata, StepMetadata
+from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
 from sparse_core.policy import LayerPlan, PromptBatch
+
+if TYPE_CHECKING:
+    from sparse_core.distributed.driver import TensorParallelWorkers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,6 +49,19 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+@dataclass
+class PrefillBatch:
+    """Host-side description of a prefill step (what rank 0 sends to the other ranks)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    cu_seqlens: list[int]
+    max_seqlen: int
+    slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
+    compress_bounds: list[list[tuple[int, int]]]  # per group: prompts it stores compressed
+    compress_slots: list[list[int]]  # per group: where those prompts' kept tokens go
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -43,10 +69,12 @@ class ModelRunner:
         sparsity: SparsityConfig,
         source: ModelSource,
         plan: LayerPlan,
+        workers: TensorParallelWorkers | None = None,
     ) -> None:
         self.config = config
         self.plan = plan
-        self.device = resolve_device(config.device)
+        self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
+        self.device = rank_device(resolve_device(config.device), get_tp_rank(), get_tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         model_config = source.config
@@ -65,7 +93,7 @@ class ModelRunner:
         if source.weights is not None:
             self.model.load_weights(source.weights)
         else:
-            _init_random_weights(self.model)
+            self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
         self.model.eval()
         self.graphs: DecodeGraphs | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -73,11 +101,22 @@ class ModelRunner:
         for attn in self.model.attention_layers:
             attn.generator = random_policy_generator
 
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank caches (all of the model's without tensor parallelism)."""
+        return self.model.attention_layers[0].num_kv_heads
+
     def bytes_per_token_per_layer(self) -> int:
-        cfg = self.model.config
-        return 2 * cfg.num_key_value_heads * cfg.head_dim * self.dtype.itemsize
+        """KV bytes of one token in one layer on this rank (1/tp of the model's under TP)."""
+        return 2 * self.num_kv_heads * self.model.config.head_dim * self.dtype.itemsize
+
+    def _on_workers(self, method: str, *args) -> None:
+        """Rank 0: have every other rank run the same method (their collectives must match)."""
+        if self.workers is not None:
+            self.workers.call(method, *args)
 
     def allocate_kv_cache(self, blocks_per_group: list[int]) -> None:
+        self._on_workers("allocate_kv_cache", blocks_per_group)
         cfg = self.model.config
         attns = self.model.attention_layers
         for group, num_blocks in zip(self.plan.groups, blocks_per_group, strict=True):
@@ -86,7 +125,7 @@ class ModelRunner:
                 len(group.layers),
                 num_blocks,
                 self.block_size,
-                cfg.num_key_value_heads,
+                self.num_kv_heads,
                 cfg.head_dim,
             )
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -96,21 +135,27 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager) -> list[int]:
         if is_prefill:
-            input_ids, positions, meta, last = self._prepare_prefill(seqs)
-            logits = self.model.compute_logits(self.model(input_ids, positions, meta)[last])
+            step: PrefillBatch | DecodeBatch = self._prepare_prefill(seqs)
         else:
             step = self._prepare_decode(seqs, block_manager)
-            if self.graphs is not None:
-                logits = self.graphs.run(step)
-            else:
-                logits = self._run_decode_eager(step)
-        return sample(logits, seqs, self.generator)
+        return sample(self.execute(step), seqs, self.generator)
+
+    @torch.inference_mode()
+    def execute(self, step: PrefillBatch | DecodeBatch) -> torch.Tensor:
+        """Every rank's part of a step: the forward pass; logits [B, V] (full vocabulary)."""
+        self._on_workers("execute", step)
+        if isinstance(step, PrefillBatch):
+            input_ids, positions, meta, last = self._prefill_tensors(step)
+            return self.model.compute_logits(self.model(input_ids, positions, meta)[last])
+        if self.graphs is not None:
+            return self.graphs.run(step)
+        return self._run_decode_eager(step)
 
     def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
         table, bs = seq.block_tables[group], self.block_size
         return [table[i // bs] * bs + i % bs for i in range(count)]
 
-    def _prepare_prefill(self, seqs: list[Sequence]):
+    def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
         """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step.
 
         In a group that keeps fewer tokens than the sequence has, its tokens get slot -1 and a
@@ -136,24 +181,36 @@ class ModelRunner:
                     slot_mappings[g] += [-1] * n
                     compress_bounds[g].append((start, start + n))
                     compress_slots[g] += slots
+        return PrefillBatch(
+            input_ids,
+            positions,
+            cu_seqlens,
+            max(len(seq) for seq in seqs),
+            slot_mappings,
+            compress_bounds,
+            compress_slots,
+        )
+
+    def _prefill_tensors(self, step: PrefillBatch):
         groups = [
             GroupStepMetadata(
-                slot_mapping=self._tensor(slot_mappings[g]),
+                slot_mapping=self._tensor(slots),
                 compress=CompressJobs(
-                    PromptBatch.from_bounds(compress_bounds[g], self.device),
-                    self._tensor(compress_slots[g]),
+                    PromptBatch.from_bounds(bounds, self.device), self._tensor(kept_slots)
                 ),
             )
-            for g in range(num_groups)
+            for slots, bounds, kept_slots in zip(
+                step.slot_mappings, step.compress_bounds, step.compress_slots, strict=True
+            )
         ]
         meta = StepMetadata(
             is_prefill=True,
             groups=groups,
-            cu_seqlens=self._tensor(cu_seqlens),
-            max_seqlen=max(len(seq) for seq in seqs),
+            cu_seqlens=self._tensor(step.cu_seqlens),
+            max_seqlen=step.max_seqlen,
         )
-        last = self._tensor([end - 1 for end in cu_seqlens[1:]])
-        return self._tensor(input_ids), self._tensor(positions), meta, last
+        last = self._tensor([end - 1 for end in step.cu_seqlens[1:]])
+        return self._tensor(step.input_ids), self._tensor(step.positions), meta, last
 
     def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
         num_groups = len(self.plan.groups)
@@ -194,9 +251,10 @@ class ModelRunner:
         Runs max_num_batched_tokens of prompts of max_model_len tokens through the model with
         every slot at -1, so nothing is cached; the caches are placeholders of one block.
         """
+        self._on_workers("profile_activation_bytes")
         cfg = self.model.config
         placeholder = torch.zeros(
-            (2, 1, self.block_size, cfg.num_key_value_heads, cfg.head_dim),
+            (2, 1, self.block_size, self.num_kv_heads, cfg.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
@@ -230,6 +288,7 @@ class ModelRunner:
         """After the KV caches exist: capture decode graphs, unless eager mode or not on CUDA."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        self._on_workers("capture_decode_graphs")
         self.graphs = DecodeGraphs(
             self.model,
             len(self.plan.groups),
@@ -239,14 +298,3 @@ class ModelRunner:
             self.device,
         )
         self.graphs.capture()
-
-
-def _init_random_weights(model: torch.nn.Module) -> None:
-    """Random weights of the right shape (the `dummy` load format): norms at one, the rest small
-    so activations stay finite through many layers."""
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02)

@@ -61,7 +61,10 @@ class PagedAttention(nn.Module):
         budget: int | None,
         sparsity: SparsityConfig,
         ops: KernelOps,
+        kv_heads: tuple[int, int] | None = None,
     ) -> None:
+        """num_heads / num_kv_heads: this rank's heads; kv_heads: (first, total) of its KV heads
+        among the model's, under tensor parallelism."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -74,6 +77,7 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.generator: torch.Generator | None = None  # the `random` policy's draws
+        self.kv_heads = kv_heads
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
@@ -105,6 +109,7 @@ class PagedAttention(nn.Module):
                 self.scale,
                 ops,
                 self.generator,
+                self.kv_heads,
             )
             ops.store_selected_kv(
                 k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots

@@ -2,16 +2,28 @@
 
 Parameters use Hugging Face names except two fusions: q/k/v projections into `qkv_proj` and
 gate/up into `gate_up_proj` (one matmul each instead of three and two); `load_weights` fuses.
+Under tensor parallelism every rank builds the same model with its share of the heads, MLP
+columns and vocabulary (sparse_core.distributed.layers); `load_weights` takes full tensors and
+keeps the rank's part.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from sparse_core.config import SparsityConfig
+from sparse_core.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_checked,
+)
+from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
 from sparse_core.kernels import KernelOps
 from sparse_core.models.attention import PagedAttention, StepMetadata
 from sparse_core.models.config import ModelConfig
@@ -75,13 +87,18 @@ class RotaryEmbedding(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, attn: PagedAttention, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = attn.num_heads
+        self.num_kv_heads = attn.num_kv_heads
         self.head_dim = config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split), bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        full_q = config.num_attention_heads * config.head_dim
+        full_kv = config.num_key_value_heads * config.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [full_q, full_kv, full_kv], bias=config.attention_bias
+        )
+        self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False)
         self.attn = attn
         self.rotary = rotary
 
@@ -102,8 +119,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        size = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +162,7 @@ class LlamaModel(nn.Module):
         ops: KernelOps,
     ):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config, max_positions, ops)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, self.rotary, ops) for a in attns)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -161,20 +179,23 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
+        tp_size = get_tp_size()
+        local_kv = config.num_key_value_heads // tp_size
         attns = [
             PagedAttention(
-                config.num_attention_heads,
-                config.num_key_value_heads,
+                config.num_attention_heads // tp_size,
+                config.num_key_value_heads // tp_size,
                 config.head_dim,
                 group=plan.layer_to_group[i],
                 budget=plan.groups[plan.layer_to_group[i]].budget,
                 sparsity=sparsity,
                 ops=ops,
+                kv_heads=(get_tp_rank() * local_kv, config.num_key_value_heads),
             )
             for i in range(config.num_hidden_layers)
         ]
         self.model = LlamaModel(config, attns, max_positions, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -194,9 +215,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up; every parameter must be set."""
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> None:
+        """Copy Hugging Face-named full tensors in, fusing q/k/v and gate/up and keeping this
+        rank's part of sharded layers; every parameter must be set."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         fused = {
             "q_proj": ("qkv_proj", 0),
             "k_proj": ("qkv_proj", 1),
@@ -207,41 +232,25 @@ class LlamaForCausalLM(nn.Module):
         unset = set(params)
         if self.config.tie_word_embeddings:
             unset.discard("lm_head.weight")
-        for name, tensor in weights.items():
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        for name, tensor in items:
             if "rotary_emb" in name:
                 continue
-            target, shard = name, None
-            for part, (fused_name, index) in fused.items():
+            target, index = name, 0
+            for part, (fused_name, i) in fused.items():
                 if f".{part}." in name:
-                    target, shard = name.replace(part, fused_name), index
+                    target, index = name.replace(part, fused_name), i
             if target not in params:
                 if target == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
+            load_full = getattr(modules[target.rpartition(".")[0]], "load_full", None)
             with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
+                if load_full is None:  # norms: replicated on every rank
+                    copy_checked(param, tensor, name)
                 else:
-                    _copy_checked(self._shard_view(target, param, shard), tensor, name)
+                    load_full(param, tensor, index, name)
             unset.discard(target)
         if unset:
             raise ValueError(f"checkpoint is missing weights for {sorted(unset)[:5]} ...")
-
-    def _shard_view(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-        cfg = self.config
-        if "qkv_proj" in target:
-            q = cfg.num_attention_heads * cfg.head_dim
-            kv = cfg.num_key_value_heads * cfg.head_dim
-            sizes = [q, kv, kv]
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        return param.split(sizes, dim=0)[shard]
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"shape mismatch for {name!r}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
-        )
-    dst.copy_(src)

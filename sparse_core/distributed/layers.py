@@ -1,0 +1,119 @@
+"""Linear and embedding layers sharded over the tensor-parallel ranks (Megatron-style).
+
+Each layer takes full (unsharded) sizes and keeps its rank's part; `load_full` copies that part
+out of a full Hugging Face tensor. With one rank they are the plain torch layers: same
+parameters, same matmul, no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparse_core.distributed.communication import all_gather, all_reduce
+from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch for {name!r}: model {tuple(dst.shape)}, checkpoint {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int, name: str) -> torch.Tensor:
+    """Rank's 1/size of `full` along dim (a view)."""
+    if full.dim() <= dim or full.shape[dim] % size:
+        raise ValueError(
+            f"checkpoint tensor {name!r} of shape {tuple(full.shape)} cannot be split "
+            f"{size} ways along dimension {dim}"
+        )
+    part = full.shape[dim] // size
+    return full.narrow(dim, rank * part, part)
+
+
+def _split(size: int, tp_size: int, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size {tp_size}")
+    return size // tp_size
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over ranks; each rank computes its slice, no communication.
+
+    `output_sizes` are the full sizes of the projections fused into this layer (q, k, v or
+    gate, up). A rank keeps its 1/tp of each, side by side: [q_r | k_r | v_r] or
+    [gate_r | up_r], so the usual split of the fused output still works on every rank, and q/k/v
+    rows cut at multiples of head_dim give each rank whole heads.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.output_sizes = [_split(s, self.tp_size, "output size") for s in output_sizes]
+        super().__init__(in_features, sum(self.output_sizes), bias=bias)
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
+        """Copy this rank's rows of fused part `index` (weight or bias) from the full tensor."""
+        dst = param.split(self.output_sizes, dim=0)[index]
+        copy_checked(dst, shard(full, 0, self.tp_rank, self.tp_size, name), name)
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over ranks; the partial outputs are summed (one all-reduce)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(_split(in_features, self.tp_size, "input size"), out_features, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias  # the bias once, after the sum
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
+        if param is self.bias:
+            copy_checked(param, full, name)
+        else:
+            copy_checked(param, shard(full, 1, self.tp_rank, self.tp_size, name), name)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Vocabulary rows split over ranks: each rank looks up the ids it holds, zeros the others,
+    and one all-reduce assembles the embeddings."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        local = _split(vocab_size, self.tp_size, "vocab_size")
+        super().__init__(local, dim)
+        self.vocab_start = self.tp_rank * local
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
+        copy_checked(param, shard(full, 0, self.tp_rank, self.tp_size, name), name)
+
+
+class ParallelLMHead(nn.Linear):
+    """Vocabulary rows split over ranks; the logit slices are all-gathered, so every rank has
+    the full logits (rank 0 samples). Shares its weight with a VocabParallelEmbedding when the
+    embeddings are tied: both hold the same rows."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        super().__init__(hidden_size, _split(vocab_size, self.tp_size, "vocab_size"), bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)
+        return logits if self.tp_size == 1 else all_gather(logits, dim=-1)
+
+    def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
+        copy_checked(param, shard(full, 0, self.tp_rank, self.tp_size, name), name)

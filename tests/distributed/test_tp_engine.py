@@ -1,0 +1,84 @@
+"""Tensor parallelism over 2 CPU processes (gloo) on a random model whose heads divide by 2:
+the same computation as one process, sparsity included, and compression issues no collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.models.config import DUMMY_PRESETS
+from tests.distributed.tp_helpers import Run, assert_same_logits, run
+
+TINY = DUMMY_PRESETS["tiny"]  # 4 layers, 4 heads, 2 KV heads, intermediate 128, vocab 512
+PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(150)], [(11 * i) % 500 + 1 for i in range(90)]]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+POLICIES = {
+    "dense": SparsityConfig(policy="dense"),
+    "snapkv": SparsityConfig(policy="snapkv", budget=64, window=8, sinks=2, full_layers=1),
+    "random": SparsityConfig(policy="random", budget=64, window=8, sinks=2, full_layers=1),
+}
+
+
+def engine_run(policy: str, tp: int) -> Run:
+    with LLM(
+        "dummy:tiny",
+        sparsity=POLICIES[policy],
+        max_model_len=512,
+        kv_cache_memory_gb=0.01,
+        tensor_parallel_size=tp,
+    ) as llm:
+        result = run(llm, PROMPTS, PARAMS)
+        if tp > 1:
+            assert [p.is_alive() for p in llm.engine.workers.processes] == [True]
+            workers = llm.engine.workers.processes
+    if tp > 1:  # shut down: no process left behind
+        assert [p.exitcode for p in workers] == [0]
+        assert not torch.distributed.is_initialized()
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, int], Run]:
+    return {(policy, tp): engine_run(policy, tp) for policy in POLICIES for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_tp2_computes_what_one_rank_computes(runs, policy):
+    single, tp2 = runs[policy, 1], runs[policy, 2]
+    assert_same_logits(single, tp2, atol=1e-5)
+    assert tp2.token_ids == single.token_ids
+    assert tp2.kv_tokens_per_group == single.kv_tokens_per_group
+
+
+def test_sparse_runs_compress(runs):
+    for policy in ("snapkv", "random"):
+        kept = runs[policy, 2].kv_tokens_per_group
+        assert kept == [{"full": 150, "budget64": 64}, {"full": 90, "budget64": 64}]
+
+
+def test_each_rank_caches_only_its_kv_heads(runs):
+    (shapes,) = runs["snapkv", 2].worker_kv_shapes  # one worker rank
+    assert len(shapes) == TINY.num_hidden_layers
+    for _blocks, block_size, kv_heads, head_dim in shapes:
+        assert (block_size, kv_heads, head_dim) == (16, TINY.num_key_value_heads // 2, 16)
+
+
+def test_compression_issues_no_collective(runs):
+    """A prefill step that compresses issues exactly the collectives of a dense one: one
+    all-reduce for the embedding, two per layer (attention and MLP outputs), one all-gather of
+    the logits, on every rank."""
+    expected = {"all_reduce": 1 + 2 * TINY.num_hidden_layers, "all_gather": 1}
+    dense = runs["dense", 2].prefill_calls
+    assert dense == [expected, expected]  # rank 0 and rank 1
+    for policy in ("snapkv", "random"):
+        assert runs[policy, 2].prefill_calls == dense
+    assert runs["dense", 1].prefill_calls == [{}]  # one rank: none at all
+
+
+def test_one_tp_engine_per_process():
+    with LLM("dummy:tiny", kv_cache_memory_gb=0.01, tensor_parallel_size=2) as llm:
+        with pytest.raises(RuntimeError, match="already drives a tensor-parallel engine"):
+            LLM("dummy:tiny", kv_cache_memory_gb=0.01, tensor_parallel_size=2)
+        out = llm.generate([PROMPTS[1]], PARAMS)[0]
+        assert len(out.token_ids) == 8
