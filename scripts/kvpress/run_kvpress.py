@@ -2,8 +2,10 @@
 
 Runs in the kvpress environment (setup.sh), without importing sparse_core:
     python scripts/kvpress/run_kvpress.py SAMPLES.json OUT.json [--ratios 2,4,8]
-Each prompt is prefilled under the press (`with press(model): model.generate(...)`), so the
-question at the end of the prompt is inside SnapKV's observation window, as in our engine.
+Each prompt is prefilled under the press (`with press(model): model(prompt)`), so the question at
+the end of the prompt is inside SnapKV's observation window, as in our engine; then a greedy loop
+decodes with positions continuing from the prompt length. (`model.generate` under a press breaks
+for PyramidKV: its 2-D attention mask cannot fit layers of different cache lengths.)
 Results have the fields of sparse_core.eval.runner.SampleResult.
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 from kvpress import PyramidKVPress, SnapKVPress, StreamingLLMPress
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 PRESSES = {"snapkv": SnapKVPress, "pyramid": PyramidKVPress, "streamingllm": StreamingLLMPress}
 
@@ -28,6 +30,30 @@ def make_press(policy: str, ratio: float):
         # Our engine's window is 32 with kernel 7 (kvpress defaults: 64 and 5).
         press.window_size, press.kernel_size = 32, 7
     return press
+
+
+@torch.no_grad()
+def greedy(model, ids: torch.Tensor, max_tokens: int, press, eos: int | None) -> list[int]:
+    cache = DynamicCache()
+    if press is None:
+        logits = model(ids, past_key_values=cache).logits
+    else:
+        with press(model):
+            logits = model(ids, past_key_values=cache).logits
+    out: list[int] = []
+    for step in range(max_tokens):
+        token = int(logits[0, -1].argmax())
+        if token == eos:
+            break
+        out.append(token)
+        position = torch.tensor([[ids.shape[1] + step]])
+        logits = model(
+            torch.tensor([[token]]),
+            past_key_values=cache,
+            position_ids=position,
+            cache_position=position[0],
+        ).logits
+    return out
 
 
 def score(answers: list[str], text: str) -> float:
@@ -46,7 +72,7 @@ def main() -> None:
     kw = {"gguf_file": os.path.basename(path)}
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
     model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), dtype=torch.float32, attn_implementation="eager", **kw
+        os.path.dirname(path), dtype=torch.float32, attn_implementation="sdpa", **kw
     ).eval()
     results = []
     for policy in args.policies.split(","):
@@ -55,18 +81,9 @@ def main() -> None:
             name = policy if ratio is None else f"{policy}@{ratio:g}x"
             for s in data["samples"]:
                 ids = torch.tensor([s["prompt_ids"]])
-                gen = dict(
-                    max_new_tokens=s["max_tokens"],
-                    do_sample=False,
-                    attention_mask=torch.ones_like(ids),
-                )
-                with torch.no_grad():
-                    if ratio is None:
-                        out = model.generate(ids, **gen)
-                    else:
-                        with make_press(policy, ratio)(model):
-                            out = model.generate(ids, **gen)
-                text = tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+                press = make_press(policy, ratio) if ratio is not None else None
+                new = greedy(model, ids, s["max_tokens"], press, tok.eos_token_id)
+                text = tok.decode(new, skip_special_tokens=True)
                 results.append(
                     {
                         "config": name,
@@ -81,7 +98,7 @@ def main() -> None:
                     }
                 )
             print(name, sum(r["score"] for r in results if r["config"] == name), flush=True)
-    Path(args.out).write_text(json.dumps(results))
+            Path(args.out).write_text(json.dumps(results))  # after each config: partial runs count
 
 
 if __name__ == "__main__":
