@@ -157,6 +157,7 @@ def run_one(
             engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
         ),
     )
+    engine.shutdown()  # tensor-parallel workers: the next policy starts its own
     del engine, runner
     gc.collect()
     if torch.cuda.is_available():
@@ -200,6 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--json", default=None, help="write all results here")
 
 
@@ -221,6 +223,7 @@ def main(args: argparse.Namespace) -> int:
             expected_input_len=args.input_len,
             expected_output_len=args.output_len,
             enforce_eager=args.enforce_eager,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
         result = run_one(
             f"{policy} {cap}",

@@ -16,6 +16,7 @@ import pickle
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
@@ -25,6 +26,7 @@ from sparse_core.distributed.parallel_state import (
     destroy_tensor_parallel,
     get_tp_size,
     init_tensor_parallel,
+    rank_device,
 )
 from sparse_core.engine.model_runner import resolve_device
 from sparse_core.models.loader import ModelSource
@@ -59,6 +61,14 @@ class TensorParallelWorkers:
         world_size = config.tensor_parallel_size
         device = resolve_device(config.device)
         backend = backend_for(device)
+        if device.type == "cuda":
+            first, visible = device.index or 0, torch.cuda.device_count()
+            if first + world_size > visible:
+                raise ValueError(
+                    f"tensor_parallel_size={world_size} from GPU {first} needs GPUs "
+                    f"{first}..{first + world_size - 1}; {visible} visible"
+                )
+            torch.cuda.set_device(rank_device(device, 0, world_size))  # rank 0's GPU for NCCL
         shared_weights = source.weights if device.type == "cpu" else None
         # Rank 0 hosts the rendezvous store on a free port, so there is no port to race for.
         store = dist.TCPStore(MASTER_ADDR, 0, world_size, is_master=True, wait_for_workers=False)

@@ -3,6 +3,9 @@ the same computation as one process, sparsity included, and compression issues n
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,3 +85,17 @@ def test_one_tp_engine_per_process():
             LLM("dummy:tiny", kv_cache_memory_gb=0.01, tensor_parallel_size=2)
         out = llm.generate([PROMPTS[1]], PARAMS)[0]
         assert len(out.token_ids) == 8
+
+
+def test_cli_generate_on_two_ranks_exits_cleanly():
+    """The CLI never calls shutdown: the workers stop when the interpreter exits."""
+    args = "generate Hi --model dummy:tiny --policy dense --tensor-parallel-size 2 --max-tokens 4"
+    args += " --ignore-eos --max-model-len 256 --kv-cache-memory-gb 0.01"
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparse_core.cli", *args.split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert '"completion_tokens": 4' in proc.stderr
