@@ -10,6 +10,7 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.models.loader import ModelSource
 
 
 class LLM:
@@ -26,10 +27,11 @@ class LLM:
         self,
         model: str = "smollm2-135m-instruct",
         sparsity: SparsityConfig | None = None,
+        model_source: ModelSource | None = None,
         **engine_args: Any,
     ) -> None:
         self.engine = LLMEngine(
-            EngineConfig(model=model, **engine_args), sparsity or SparsityConfig()
+            EngineConfig(model=model, **engine_args), sparsity or SparsityConfig(), model_source
         )
         self._counter = 0
 

@@ -54,10 +54,17 @@ class LLMEngine:
     them with `shutdown()` or `with LLMEngine(...) as engine:` (garbage collection and
     interpreter exit also stop them)."""
 
-    def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        sparsity: SparsityConfig,
+        model_source: ModelSource | None = None,
+    ) -> None:
+        """`model_source`: weights and tokenizer already loaded for `config.model` (its
+        hf_overrides applied), so that many engines over one model read the files once."""
         self.config = config
         self.sparsity = sparsity
-        source = load_model_source(config.model, config.hf_overrides)
+        source = model_source or load_model_source(config.model, config.hf_overrides)
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.plan = plan_layers(sparsity, source.config.num_hidden_layers, source.config.name)

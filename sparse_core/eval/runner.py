@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from tqdm import tqdm
 
-import sparse_core.engine.llm_engine as llm_engine
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.eval.tasks import Sample, score
+from sparse_core.models.loader import ModelSource, load_model_source
 
 
 @dataclass(frozen=True)
@@ -80,29 +77,6 @@ class RunSettings:
     engine_args: dict = field(default_factory=dict)
 
 
-@contextlib.contextmanager
-def shared_model_source() -> Iterator[None]:
-    """Load the weights and tokenizer once for all the engines of a sweep.
-
-    Memoises the engine's loader while the sweep runs: loading (GGUF dequantisation) costs more
-    than building an engine, and a sweep builds one engine per configuration and length.
-    """
-    original = llm_engine.load_model_source
-    cache: dict[str, object] = {}
-
-    def load(model: str, hf_overrides: dict | None = None):
-        key = f"{model}|{json.dumps(hf_overrides or {}, sort_keys=True)}"
-        if key not in cache:
-            cache[key] = original(model, hf_overrides)
-        return cache[key]
-
-    llm_engine.load_model_source = load
-    try:
-        yield
-    finally:
-        llm_engine.load_model_source = original
-
-
 def num_full_layers(config: EvalConfig, num_layers: int, model_name: str) -> int:
     from sparse_core.policy import resolve_full_layers
 
@@ -116,6 +90,7 @@ def run_config(
     config: EvalConfig,
     samples: list[Sample],
     settings: RunSettings,
+    source: ModelSource,
     bar: tqdm | None = None,
 ) -> list[SampleResult]:
     """All samples under one configuration: one engine per prompt length (budgets scale with it)."""
@@ -126,7 +101,7 @@ def run_config(
     lengths = sorted(by_length) if config.ratio is not None else [max(by_length)]
     for length in lengths:
         group = by_length[length] if config.ratio is not None else samples
-        llm = _make_llm(config, length, settings)
+        llm = _make_llm(config, length, settings, source)
         params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in group]
         outs = llm.generate([s.prompt_ids for s in group], params)
         for s, out in zip(group, outs, strict=True):
@@ -148,14 +123,15 @@ def run_config(
     return results
 
 
-def _make_llm(config: EvalConfig, length: int, settings: RunSettings) -> LLM:
-    source = llm_engine.load_model_source(settings.model)
+def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: ModelSource) -> LLM:
     num_layers, name = source.config.num_hidden_layers, source.config.name
     budget = config.budget(length, num_layers, num_full_layers(config, num_layers, name))
     sparsity = config.sparsity(budget, settings.window, settings.sinks)
     return LLM(
         model=settings.model,
         sparsity=sparsity,
+        # Loaded once for the whole sweep: dequantising costs more than building an engine.
+        model_source=source,
         max_model_len=min(length + 64, source.config.max_position_embeddings),
         max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_gb=settings.kv_cache_memory_gb,
@@ -170,13 +146,11 @@ def run_suite(
     configs: list[EvalConfig], samples: list[Sample], settings: RunSettings, progress: bool = True
 ) -> list[SampleResult]:
     results: list[SampleResult] = []
-    with (
-        shared_model_source(),
-        tqdm(total=len(configs) * len(samples), desc="eval", disable=not progress) as bar,
-    ):
+    source = load_model_source(settings.model)
+    with tqdm(total=len(configs) * len(samples), desc="eval", disable=not progress) as bar:
         for config in configs:
             start = time.monotonic()
-            results += run_config(config, samples, settings, bar)
+            results += run_config(config, samples, settings, source, bar)
             bar.set_postfix_str(f"{config.name} {time.monotonic() - start:.0f}s")
     return results
 
