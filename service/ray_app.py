@@ -211,7 +211,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     engine = EngineConfig(**{**cfg.engine, "model": cfg.model})
     pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
     served_name = cfg.served_model_name or cfg.model
-    tensor_parallel_size = getattr(engine, "tensor_parallel_size", 1)  # engine: {...} sets it
+    tensor_parallel_size = engine.tensor_parallel_size
     autoscaling = {
         **cfg.autoscaling_config,
         "min_replicas": cfg.min_replicas,
