@@ -8,6 +8,7 @@ import sys
 import time
 
 from sparse_core.config import POLICIES, POOLINGS, EngineConfig, SparsityConfig
+from sparse_core.policy import has_profile
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +50,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sparse.add_argument("--sinks", type=int, default=4)
     sparse.add_argument(
         "--full-layers",
-        default="3",
-        help="first N layers, a comma-separated list of indices, or 'auto'",
+        default=None,
+        help="first N layers, a comma-separated list of indices, or 'auto' (the model's "
+        "calibrated profile); default: 'auto' when the model has a profile, else 3",
     )
     sparse.add_argument("--pooling", default="avg", choices=POOLINGS)
     sparse.add_argument("--kernel-size", type=int, default=7)
 
 
-def parse_full_layers(text: str) -> int | list[int] | str:
+def parse_full_layers(text: str | None, model: str) -> int | list[int] | str:
+    if text is None:
+        return "auto" if has_profile(model) else 3
     if text == "auto":
         return "auto"
     try:
@@ -89,7 +93,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         budget=args.budget,
         window=args.window,
         sinks=args.sinks,
-        full_layers=parse_full_layers(args.full_layers),
+        full_layers=parse_full_layers(args.full_layers, args.model),
         pooling=args.pooling,
         kernel_size=args.kernel_size,
     )

@@ -43,6 +43,10 @@ class LayerPlan:
         return [i for i, g in enumerate(self.layer_to_group) if self.groups[g].budget is None]
 
 
+def has_profile(model_name: str) -> bool:
+    return (PROFILE_DIR / f"{model_name}.json").exists()
+
+
 def load_profile(model_name: str) -> dict:
     """The calibrated layer profile shipped for a model (written by `kvsparse calibrate`)."""
     path = PROFILE_DIR / f"{model_name}.json"

@@ -92,15 +92,11 @@ def _samples(args: argparse.Namespace) -> tuple[list[Sample], object]:
     return samples, source
 
 
-def _full_layers(text: str) -> int | list[int] | str:
-    from sparse_core.cli import parse_full_layers
-
-    return parse_full_layers(text)
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     samples, _ = _samples(args)
-    full = _full_layers(args.full_layers)
+    from sparse_core.cli import parse_full_layers  # sparse_core.cli imports this module
+
+    full = parse_full_layers(args.full_layers, args.model)
     configs = [
         EvalConfig("dense")
         if policy == "dense"
