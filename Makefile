@@ -6,9 +6,13 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsparse-installed
 
-.PHONY: setup run serve generate test test-all lint format clean
+.PHONY: setup tools run serve generate test test-all lint format clean
 
-setup: $(STAMP)
+setup: $(STAMP) tools
+
+# helm and kubectl for the deployment tests (tests/deploy skip without helm).
+tools:
+	@PYTHON=$(PYTHON) bash scripts/install_tools.sh || echo "warning: helm/kubectl not installed; tests/deploy will skip"
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

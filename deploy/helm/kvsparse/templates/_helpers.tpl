@@ -1,0 +1,106 @@
+{{- define "kvsparse.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvsparse.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "kvsparse.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvsparse.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "kvsparse.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvsparse.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvsparse.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end }}
+
+{{- define "kvsparse.servedModelName" -}}
+{{ .Values.model.servedModelName | default .Values.model.name }}
+{{- end }}
+
+{{/* The Serve application's arguments: service.ray_app.RayAppConfig fields. */}}
+{{- define "kvsparse.serveArgs" -}}
+{{- $engine := merge (dict "tensor_parallel_size" (int .Values.tensorParallelSize)) (deepCopy .Values.engine) -}}
+{{- $min := int .Values.replicas -}}
+{{- $max := int .Values.replicas -}}
+{{- if .Values.autoscaling.enabled }}
+{{- $min = int .Values.autoscaling.minReplicas -}}
+{{- $max = int .Values.autoscaling.maxReplicas -}}
+{{- end }}
+{{- $args := dict "model" .Values.model.name "engine" $engine "sparsity" (deepCopy .Values.sparsity) "served_model_name" (include "kvsparse.servedModelName" .) "min_replicas" $min "max_replicas" $max "target_ongoing_requests" .Values.autoscaling.targetOngoingRequests "max_queued_requests" (int .Values.serve.maxQueuedRequests) "num_cpus_per_replica" .Values.serve.numCpusPerReplica "ingress_replicas" (int .Values.serve.ingressReplicas) -}}
+{{- if .Values.autoscaling.enabled }}
+{{- $_ := set $args "autoscaling_config" (deepCopy .Values.autoscaling.config) -}}
+{{- end }}
+{{- if .Values.pools }}
+{{- $_ := set $args "pools" .Values.pools -}}
+{{- end }}
+{{- if not (kindIs "invalid" .Values.serve.maxOngoingRequests) }}
+{{- $_ := set $args "max_ongoing_requests" (int .Values.serve.maxOngoingRequests) -}}
+{{- end }}
+{{- toYaml (merge (deepCopy .Values.serve.extraArgs) $args) }}
+{{- end }}
+
+{{/* Environment of every Ray container. */}}
+{{- define "kvsparse.env" -}}
+- name: HF_HOME
+  value: {{ .Values.model.cache.mountPath | quote }}
+{{- if .Values.model.hfTokenSecret.name }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.model.hfTokenSecret.name }}
+      key: {{ .Values.model.hfTokenSecret.key }}
+{{- end }}
+{{- if .Values.serve.apiKeySecret.name }}
+- name: KVSPARSE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.serve.apiKeySecret.name }}
+      key: {{ .Values.serve.apiKeySecret.key }}
+{{- end }}
+{{- range $k, $v := .Values.ncclEnv }}
+- name: {{ $k }}
+  value: {{ $v | quote }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "kvsparse.volumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shm.sizeLimit }}
+{{- if .Values.model.cache.enabled }}
+- name: model-cache
+{{- if .Values.model.cache.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.cache.existingClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ .Values.model.cache.emptyDirSizeLimit }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvsparse.volumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+{{- if .Values.model.cache.enabled }}
+- name: model-cache
+  mountPath: {{ .Values.model.cache.mountPath }}
+{{- end }}
+{{- end }}

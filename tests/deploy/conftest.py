@@ -1,0 +1,3 @@
+from tests.deploy.helpers import helm
+
+__all__ = ["helm"]

@@ -1,0 +1,223 @@
+"""The Helm chart: lint, render with several value sets, validate every object offline."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.deploy.helpers import CHART, ROOT, render, run_helm, set_args
+
+K8S_VERSION = "1.33.0"
+# KubeRay's RayService CRD (schemas/SOURCE says which commit), gzipped.
+CRD = Path(__file__).resolve().parent / "schemas" / "ray.io_rayservices.yaml.gz"
+CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "tp2": {"tensorParallelSize": 2, "worker": {"resources": {"requests": {"cpu": "16"}}}},
+    "autoscaling-off": {"autoscaling": {"enabled": False}, "replicas": 2},
+    "ingress-on": {
+        "ingress": {
+            "enabled": True,
+            "className": "nginx",
+            "tls": [{"secretName": "kvsparse-tls", "hosts": ["kvsparse.example.com"]}],
+        },
+        "service": {"type": "ClusterIP"},
+    },
+    "monitors-off": {
+        "monitoring": {
+            "podMonitor": {"enabled": False},
+            "dashboards": {"enabled": False},
+            "prometheusRule": {"enabled": False},
+        }
+    },
+    "servicemonitor": {
+        "monitoring": {"podMonitor": {"enabled": False}, "serviceMonitor": {"enabled": True}}
+    },
+    "secrets-pvc-pools": {
+        "model": {
+            "name": "/models/llama-3-8b",
+            "servedModelName": "llama-3-8b",
+            "hfTokenSecret": {"name": "hf-token"},
+            "cache": {"existingClaim": "model-cache"},
+        },
+        "serve": {"apiKeySecret": {"name": "kvsparse-api-key"}, "maxOngoingRequests": 48},
+        "pools": "snapkv,dense",
+        "rayAuth": {"mode": "disabled"},
+    },
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request: pytest.FixtureRequest, helm: str) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(helm, VALUE_SETS[request.param])
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint(helm: str, name: str) -> None:
+    # --strict: warnings fail too.
+    run_helm(helm, "lint", "--strict", str(CHART), *set_args(VALUE_SETS[name]))
+
+
+def test_core_kinds_validate_strictly(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, docs = rendered
+    core = [d for d in docs if d["kind"] not in CUSTOM_KINDS]
+    assert {"Service", "Pod"} <= {d["kind"] for d in core}
+    for doc in core:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _closed(schema: Any) -> Any:
+    """The CRD schema with unknown fields refused (the API server would prune them silently)."""
+    if isinstance(schema, dict):
+        schema = {k: _closed(v) for k, v in schema.items()}
+        if (
+            schema.get("type") == "object"
+            and "properties" in schema
+            and "additionalProperties" not in schema
+            and not schema.get("x-kubernetes-preserve-unknown-fields")
+        ):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_closed(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def rayservice_schema() -> dict[str, Any]:
+    crd = yaml.load(
+        gzip.decompress(CRD.read_bytes()), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    )
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1" and v["served"]]
+    return _closed(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
+
+
+def test_rayservice_matches_kuberay_crd(
+    rendered: tuple[str, list[dict[str, Any]]], rayservice_schema: dict[str, Any]
+) -> None:
+    _, docs = rendered
+    (rs,) = by_kind(docs, "RayService")
+    assert rs["apiVersion"] == "ray.io/v1"
+    jsonschema.validate(rs, rayservice_schema)
+    # The pod templates are core PodSpecs: validate them strictly too.
+    cluster = rs["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x"}}
+        pod["spec"] = group["template"]["spec"]
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def serve_app(rs: dict[str, Any]) -> dict[str, Any]:
+    (app,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    return app
+
+
+def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = rendered
+    (rs,) = by_kind(docs, "RayService")
+    app = serve_app(rs)
+    module, attr = app["import_path"].split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    from service.ray_app import RayAppConfig, build_app
+    from sparse_core.config import EngineConfig, SparsityConfig
+
+    assert builder is build_app
+    cfg = RayAppConfig.from_dict(app["args"])
+    EngineConfig(**{**cfg.engine, "model": cfg.model})
+    SparsityConfig(**cfg.sparsity)
+    build_app(app["args"])  # builds the deployment graph; needs no running cluster
+
+    values = VALUE_SETS[name]
+    tp = values.get("tensorParallelSize", 1)
+    assert cfg.engine["tensor_parallel_size"] == tp
+    (worker,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (cfg.min_replicas, cfg.max_replicas)
+    if name == "autoscaling-off":
+        assert cfg.min_replicas == cfg.max_replicas == 2
+        assert rs["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is False
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NCCL_P2P_DISABLE"]["value"] == "1"
+    if name == "secrets-pvc-pools":
+        assert env["KVSPARSE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kvsparse-api-key"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+        assert "api_key" not in app["args"]
+        assert cfg.pools == "snapkv,dense" and cfg.max_ongoing_requests == 48
+
+
+def test_default_pod_placement(helm: str) -> None:
+    (rs,) = by_kind(render(helm, {}), "RayService")
+    spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-GeForce-RTX-4090"}
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+    shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
+
+
+def test_optional_objects(helm: str) -> None:
+    kinds = {n: {d["kind"] for d in render(helm, v)} for n, v in VALUE_SETS.items()}
+    assert {"PodMonitor", "PrometheusRule", "ConfigMap", "Service", "RayService"} <= kinds[
+        "default"
+    ]
+    assert "Ingress" not in kinds["default"] and "Ingress" in kinds["ingress-on"]
+    assert not kinds["monitors-off"] & {
+        "PodMonitor",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+    }
+    assert {"ServiceMonitor"} <= kinds["servicemonitor"] and "PodMonitor" not in kinds[
+        "servicemonitor"
+    ]
+
+
+def test_service_and_helm_test_pod(helm: str) -> None:
+    docs = render(helm, {})
+    (svc,) = by_kind(docs, "Service")
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["spec"]["ports"][0]["port"] == 8000
+    (pod,) = by_kind(docs, "Pod")
+    assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    cmd = " ".join(pod["spec"]["containers"][0]["args"])
+    assert f"http://{svc['metadata']['name']}:8000/v1/chat/completions" in cmd
+    body = json.loads(cmd.split("-d '", 1)[1].rstrip("'"))
+    assert body["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def test_dockerfile_matches_chart(helm: str) -> None:
+    """The image the chart runs: KubeRay starts `ray start` itself, as uid 1000."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert not [line for line in text.splitlines() if line.startswith("ENTRYPOINT")]
+    assert "--uid 1000" in text
+    assert "serve]" in text  # the serving extra brings ray[serve]
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), src
+    (rs,) = by_kind(render(helm, {}), "RayService")
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert head["securityContext"]["runAsUser"] == 1000
+    assert "command" not in head["containers"][0]
+
+
+def test_crd_check_refuses_unknown_fields(helm: str, rayservice_schema: dict[str, Any]) -> None:
+    (rs,) = by_kind(render(helm, {}), "RayService")
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 4  # a typo
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(rs, rayservice_schema)
