@@ -1,0 +1,129 @@
+"""A real Prometheus scrapes a running kvsparse (Ray Serve mode) after some traffic; every
+dashboard and alert-rule expression evaluates without error, the dashboard's return data.
+
+Slow (a local Ray cluster, the built-in model, a Prometheus server): `pytest -m slow tests/deploy`.
+Needs the `prometheus` binary (Debian package prometheus).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.deploy.test_manifests_dashboards import GRAFANA_VARS, alert_rules, dashboard_exprs
+from tests.service.servers import API_KEY, MODEL, free_port, wait_for
+
+pytestmark = pytest.mark.slow
+
+ARGS = {
+    "model": MODEL,
+    "engine": {"max_model_len": 256, "max_num_seqs": 8, "kv_cache_memory_gb": 0.1},
+    "sparsity": {"policy": "snapkv", "budget": 32, "window": 8, "sinks": 4, "full_layers": 2},
+    "api_key": API_KEY,
+}
+# Series only recorded when their event happens (no preemption in this light load).
+EVENT_ONLY = ("ray_kvsparse_num_preemptions_total",)
+
+
+@pytest.fixture(scope="module")
+def ray_app() -> Iterator[tuple[str, str]]:
+    """(OpenAI base URL, Ray metrics URL) of the application on a local cluster."""
+    import ray
+    from ray import serve
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    metrics_port, http_port = free_port(), free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        builder = import_attr("service.ray_app:build_app")
+        serve.run(call_user_app_builder_with_args_if_necessary(builder, ARGS), name="kvsparse")
+        yield f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{metrics_port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prometheus(ray_app: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not installed (Debian package prometheus)")
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": [ray_app[1]]}]}],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=(tmp / "log").open("w"),
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _ready(url), timeout=60, interval=0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def query(url: str, expr: str) -> dict[str, Any]:
+    for var, value in GRAFANA_VARS.items():
+        expr = expr.replace(var, value)
+    body = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=30).json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]
+
+
+def send_traffic(base_url: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=base_url, headers=headers, timeout=120) as client:
+        for i in range(6):
+            body = {"model": MODEL, "prompt": f"Count to {i + 5}:", "max_tokens": 16}
+            assert client.post("/completions", json=body).status_code == 200
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                "stream": True}  # fmt: skip
+        with client.stream("POST", "/chat/completions", json=chat) as response:
+            assert response.status_code == 200
+            response.read()
+        too_long = {"model": MODEL, "prompt": [1] * 300, "max_tokens": 4}  # an error
+        assert client.post("/completions", json=too_long).status_code == 400
+
+
+def test_dashboard_and_alert_queries_evaluate(ray_app, prometheus: str, helm: str) -> None:
+    send_traffic(ray_app[0])
+    # Ray reports every second here; wait until Prometheus has the requests' series, then once
+    # more traffic so that rates see an increase inside their window.
+    wait_for(lambda: query(prometheus, "ray_kvsparse_requests_finished_total")["result"],
+             timeout=90, interval=1)  # fmt: skip
+    send_traffic(ray_app[0])
+    time.sleep(8)
+
+    empty = []
+    for expr in dashboard_exprs():
+        if not query(prometheus, expr)["result"] and not any(m in expr for m in EVENT_ONLY):
+            empty.append(expr)
+    assert not empty, f"dashboard queries without data: {empty}"
+    for group in alert_rules(helm):
+        for rule in group["rules"]:
+            query(prometheus, rule["expr"])  # evaluates (alerts need not fire)
