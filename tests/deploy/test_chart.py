@@ -45,7 +45,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "secrets-pvc-pools": {
         "model": {
-            "name": "/models/llama-3-8b",
+            "path": "/models/llama-3-8b",
+            "hfRepo": "",
             "servedModelName": "llama-3-8b",
             "hfTokenSecret": {"name": "hf-token"},
             "cache": {"existingClaim": "model-cache"},
@@ -198,6 +199,35 @@ def test_service_and_helm_test_pod(helm: str) -> None:
     assert f"http://{svc['metadata']['name']}:8000/v1/chat/completions" in cmd
     body = json.loads(cmd.split("-d '", 1)[1].rstrip("'"))
     assert body["model"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+def test_model_download_feeds_the_engine(helm: str) -> None:
+    """The init container downloads the repository into the directory the engines load."""
+    (rs,) = by_kind(render(helm, {}), "RayService")
+    args = serve_app(rs)["args"]
+    (worker,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (init,) = worker["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value") for e in init["env"]}
+    assert env["MODEL_REPO"] == args["served_model_name"] == "meta-llama/Meta-Llama-3-8B-Instruct"
+    assert env["MODEL_PATH"] == args["model"]
+    assert {"name": "model-cache", "mountPath": "/models"} in init["volumeMounts"]
+    assert args["model"].startswith("/models/")
+    compile(init["args"][0], "download-model", "exec")  # the script is Python
+
+    (rs,) = by_kind(render(helm, VALUE_SETS["secrets-pvc-pools"]), "RayService")
+    spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert "initContainers" not in spec
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in spec["volumes"]
+        if v["name"] == "model-cache"
+    ]
+    assert claims == ["model-cache"]
+
+
+def test_download_needs_the_cache(helm: str) -> None:
+    with pytest.raises(AssertionError, match=r"model\.cache\.enabled"):
+        render(helm, {"model": {"cache": {"enabled": False}}})
 
 
 def test_dockerfile_matches_chart(helm: str) -> None:

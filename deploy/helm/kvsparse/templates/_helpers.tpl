@@ -27,7 +27,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{- define "kvsparse.servedModelName" -}}
-{{ .Values.model.servedModelName | default .Values.model.name }}
+{{ .Values.model.servedModelName | default .Values.model.hfRepo | default .Values.model.path }}
 {{- end }}
 
 {{/* The Serve application's arguments: service.ray_app.RayAppConfig fields. */}}
@@ -39,7 +39,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $min = int .Values.autoscaling.minReplicas -}}
 {{- $max = int .Values.autoscaling.maxReplicas -}}
 {{- end }}
-{{- $args := dict "model" .Values.model.name "engine" $engine "sparsity" (deepCopy .Values.sparsity) "served_model_name" (include "kvsparse.servedModelName" .) "min_replicas" $min "max_replicas" $max "target_ongoing_requests" .Values.autoscaling.targetOngoingRequests "max_queued_requests" (int .Values.serve.maxQueuedRequests) "num_cpus_per_replica" .Values.serve.numCpusPerReplica "ingress_replicas" (int .Values.serve.ingressReplicas) -}}
+{{- $args := dict "model" .Values.model.path "engine" $engine "sparsity" (deepCopy .Values.sparsity) "served_model_name" (include "kvsparse.servedModelName" .) "min_replicas" $min "max_replicas" $max "target_ongoing_requests" .Values.autoscaling.targetOngoingRequests "max_queued_requests" (int .Values.serve.maxQueuedRequests) "num_cpus_per_replica" .Values.serve.numCpusPerReplica "ingress_replicas" (int .Values.serve.ingressReplicas) -}}
 {{- if .Values.autoscaling.enabled }}
 {{- $_ := set $args "autoscaling_config" (deepCopy .Values.autoscaling.config) -}}
 {{- end }}
@@ -76,6 +76,38 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* The model download into the cache volume, before Ray starts (GPU pods). */}}
+{{- define "kvsparse.initContainers" -}}
+{{- if .Values.model.hfRepo }}
+{{- if not .Values.model.cache.enabled }}
+{{- fail "model.hfRepo downloads into the model cache: set model.cache.enabled=true (or model.hfRepo=\"\")" }}
+{{- end }}
+- name: download-model
+  image: {{ include "kvsparse.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - |
+      import json, os
+      from huggingface_hub import snapshot_download
+      snapshot_download(os.environ["MODEL_REPO"], revision=os.environ["MODEL_REVISION"],
+                        local_dir=os.environ["MODEL_PATH"],
+                        allow_patterns=json.loads(os.environ["MODEL_PATTERNS"]))
+  env:
+    - name: MODEL_REPO
+      value: {{ .Values.model.hfRepo | quote }}
+    - name: MODEL_REVISION
+      value: {{ .Values.model.revision | quote }}
+    - name: MODEL_PATH
+      value: {{ .Values.model.path | quote }}
+    - name: MODEL_PATTERNS
+      value: {{ toJson .Values.model.downloadPatterns | quote }}
+    {{- include "kvsparse.env" . | nindent 4 }}
+  volumeMounts:
+    {{- include "kvsparse.volumeMounts" . | nindent 4 }}
 {{- end }}
 {{- end }}
 
