@@ -29,7 +29,7 @@ RAY_SERVE_SERIES = {"ray_serve_deployment_replica_healthy", "ray_serve_autoscali
 GRAFANA_VARS = {"$__rate_interval": "1m", "$model": ".*", "$pool": ".*"}
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "by", "rate", "histogram_quantile", "le", "or", "on", "vector",
-    "ignoring", "without",
+    "ignoring", "without", "unless", "absent", "max_over_time",
 }  # fmt: skip
 
 
