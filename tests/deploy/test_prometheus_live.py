@@ -1,8 +1,8 @@
 """A real Prometheus scrapes a running kvsparse (Ray Serve mode) after some traffic; every
 dashboard and alert-rule expression evaluates without error, the dashboard's return data.
 
-Slow (a local Ray cluster, the built-in model, a Prometheus server): `pytest -m slow tests/deploy`.
-Needs the `prometheus` binary (Debian package prometheus).
+Runs a local Ray cluster, the built-in model and a Prometheus server (about 40 s). Needs the
+`prometheus` binary (Debian package prometheus, which .ci/run installs); skips without it.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import yaml
 
 from tests.deploy.test_manifests_dashboards import GRAFANA_VARS, alert_rules, dashboard_exprs
 from tests.service.servers import API_KEY, MODEL, free_port, wait_for
-
-pytestmark = pytest.mark.slow
 
 ARGS = {
     "model": MODEL,
