@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_core.cache.block_manager import BlockManager
+from sparse_core.cache.block_manager import BlockManager, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -293,7 +293,7 @@ class ModelRunner:
             self.model,
             len(self.plan.groups),
             self.config.max_num_seqs,
-            -(-self.config.max_model_len // self.block_size),
+            cdiv(self.config.max_model_len, self.block_size),
             self.config.max_model_len,
             self.device,
         )
