@@ -1,17 +1,108 @@
 #!/usr/bin/env bash
-# One GPU session: the GPU tests, then the throughput benchmark (24 GB cap and uncapped) and the
-# transformers peer, on dummy:llama3-8b at 4000 in / 500 out. JSON lands in $OUT (default ./out).
-# Run from the repository root on a machine with torch + triton + transformers.
+# The GPU benchmarks of docs/benchmarks.md, as steps that can run in one go or one at a time:
+#
+#   bash scripts/bench_gpu.sh [STEP ...]      (default: every step but the vLLM ones)
+#
+#   tests          GPU tests: Triton kernels against the references, the engine on CUDA
+#   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
+#   uncapped       bench throughput, dense / snapkv, no cap
+#   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
+#   serve-dense    the same with the dense policy
+#   kernels        kernel microbenchmarks (checks every kernel against its reference first)
+#   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
+#   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
+#   vllm-uncapped  stock vLLM: offline throughput, no cap
+#
+# dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out). Run from
+# the repository root on a machine with torch + triton (+ transformers for `hf`). The serve steps
+# need the serving extra (fastapi, uvicorn) and the openai client. The vLLM steps need stock vLLM
+# importable and $VLLM_PEER pointing at the directory of its peer scripts (bench.py, sweep.py).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
+NUM_PROMPTS=${NUM_PROMPTS:-128}
+CONCURRENCY=${CONCURRENCY:-1,5,10,20,40}
+PORT=${PORT:-8000}
+MODEL=${MODEL:-dummy:llama3-8b}
+SERVE_ARGS=${SERVE_ARGS:---gpu-memory-limit-gb 24 --max-model-len 4608 --max-num-seqs 64}
+INPUT_LEN=${INPUT_LEN:-4000}
+OUTPUT_LEN=${OUTPUT_LEN:-500}
+TOKEN_RANGE=${TOKEN_RANGE:-100:30000}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py 2>&1 | tail -3
-python3 -m service.cli bench throughput --policies "${POLICIES:-dense,snapkv,pyramid}" \
-    --gpu-memory-limit-gb 24 --num-prompts "${NUM_PROMPTS:-128}" \
-    --json "$OUT/throughput_cap24.json" 2>"$OUT/throughput_cap24.log"
-python3 -m service.cli bench throughput --policies dense,snapkv \
-    --num-prompts "${NUM_PROMPTS:-128}" \
-    --json "$OUT/throughput_uncapped.json" 2>"$OUT/throughput_uncapped.log"
-python3 -m sparse_core.bench.hf_generate --batch-size 32 | tee "$OUT/hf_generate.json"
+
+step_tests() {
+    python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py \
+        2>&1 | tail -5
+}
+
+step_cap24() {
+    python3 -m service.cli bench throughput --policies dense,snapkv,pyramid \
+        --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
+        --json "$OUT/throughput_cap24.json" 2>"$OUT/throughput_cap24.log"
+}
+
+step_uncapped() {
+    python3 -m service.cli bench throughput --policies dense,snapkv --num-prompts "$NUM_PROMPTS" \
+        --json "$OUT/throughput_uncapped.json" 2>"$OUT/throughput_uncapped.log"
+}
+
+# The server in the background, the load generator against it, then the server stopped.
+serve_sweep() {
+    local policy=$1
+    # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
+    python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
+        >"$OUT/serve_$policy.log" 2>&1 &
+    local server=$!
+    for _ in $(seq 240); do
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
+            2>/dev/null && break
+        kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/serve_$policy.log"; return 1; }
+        sleep 1
+    done
+    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" \
+        --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+        --token-range "$TOKEN_RANGE" --label "kvsparse $policy" --output "$OUT/serve_$policy.json" 2>>"$OUT/serve_$policy.log"
+    local status=$?
+    kill -INT "$server"
+    for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
+    kill -9 "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    return $status
+}
+
+step_serve-snapkv() { serve_sweep snapkv; }
+step_serve-dense() { serve_sweep dense; }
+
+step_kernels() {
+    python3 -m sparse_core.bench.kernels 2>&1 | tee "$OUT/kernels.txt" | tail -25
+}
+
+step_hf() {
+    python3 -m sparse_core.bench.hf_generate --batch-size 32 | tee "$OUT/hf_generate.json"
+}
+
+# Stock vLLM under the same 24 GB (gpu_memory_utilization 0.17 of an H200), the same prompts count.
+step_vllm-cap24() {
+    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>"$OUT/vllm_cap24.log" \
+        | tail -1 >"$OUT/vllm_cap24.json"
+    cat "$OUT/vllm_cap24.json"
+    LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>"$OUT/vllm_sweep.log" \
+        | tail -1 >"$OUT/vllm_sweep.json"
+    cat "$OUT/vllm_sweep.json"
+}
+
+step_vllm-uncapped() {
+    python3 "$VLLM_PEER/bench.py" --only b --pb "$NUM_PROMPTS" 2>"$OUT/vllm_uncapped.log" \
+        | tail -1 >"$OUT/vllm_uncapped.json"
+    cat "$OUT/vllm_uncapped.json"
+}
+
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(tests cap24 uncapped serve-snapkv serve-dense kernels hf)
+for step in "${steps[@]}"; do
+    echo "== $step ($(date -u +%H:%M:%S))"
+    start=$SECONDS
+    "step_$step" || echo "!! step $step failed"
+    echo "== $step took $((SECONDS - start)) s"
+done
