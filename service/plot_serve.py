@@ -1,0 +1,63 @@
+"""Plot `kvsparse bench serve --output` reports side by side: output tokens/s and TTFT p50 against
+concurrency. A stock vLLM sweep (the JSON line its peer `sweep.py` prints last) can go beside them.
+
+python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...] [--vllm-sweep SWEEP.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def load_report(path: str) -> tuple[str, list[dict]]:
+    with open(path) as f:
+        report = json.load(f)
+    return report.get("label") or report["model"], report["levels"]
+
+
+def load_vllm_sweep(path: str) -> tuple[str, list[dict]]:
+    """`{"vllm_ttft_sweep": {"rows": [{concurrency, output_tok_per_s, ttft_p50_s, ...}]}}`."""
+    with open(path) as f:
+        sweep = json.load(f)["vllm_ttft_sweep"]
+    return "stock vLLM 0.24 (in-process)", sweep["rows"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("reports", nargs="+")
+    parser.add_argument("--vllm-sweep", default=None)
+    parser.add_argument("--title", default="")
+    args = parser.parse_args()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load_report(path) for path in args.reports]
+    if args.vllm_sweep:
+        runs.insert(0, load_vllm_sweep(args.vllm_sweep))
+    fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.4))
+    for label, levels in runs:
+        conc = [lv["concurrency"] for lv in levels]
+        tput.plot(conc, [lv["output_tok_per_s"] for lv in levels], "o-", label=label)
+        ttft.plot(conc, [lv["ttft_p50_s"] for lv in levels], "o-", label=label)
+    tput.set_ylabel("output tokens/s")
+    tput.set_title("Throughput against concurrency")
+    ttft.set_ylabel("TTFT p50 (s)")
+    ttft.set_yscale("log")
+    ttft.set_title("Time to first token against concurrency")
+    for ax in (tput, ttft):
+        ax.set_xlabel("concurrent clients")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if args.title:
+        fig.suptitle(args.title)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
