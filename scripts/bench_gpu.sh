@@ -83,16 +83,16 @@ step_hf() {
 
 # Stock vLLM under the same 24 GB (gpu_memory_utilization 0.17 of an H200), the same prompts count.
 step_vllm-cap24() {
-    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>"$OUT/vllm_cap24.log" \
+    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>&1 | tee "$OUT/vllm_cap24.log" \
         | tail -1 >"$OUT/vllm_cap24.json"
     cat "$OUT/vllm_cap24.json"
-    LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>"$OUT/vllm_sweep.log" \
+    LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
         | tail -1 >"$OUT/vllm_sweep.json"
     cat "$OUT/vllm_sweep.json"
 }
 
 step_vllm-uncapped() {
-    python3 "$VLLM_PEER/bench.py" --only b --pb "$NUM_PROMPTS" 2>"$OUT/vllm_uncapped.log" \
+    python3 "$VLLM_PEER/bench.py" --only b --pb "$NUM_PROMPTS" 2>&1 | tee "$OUT/vllm_uncapped.log" \
         | tail -1 >"$OUT/vllm_uncapped.json"
     cat "$OUT/vllm_uncapped.json"
 }
