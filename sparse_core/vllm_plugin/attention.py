@@ -1,0 +1,155 @@
+"""The attention backend vLLM runs every layer through while the plugin is active.
+
+Full groups attend to everything; in sparse groups the step that completes a prompt scores the
+prompt from its observation window, keeps `budget` tokens per KV head (our policies) and stores
+only those, compacted into positions [0, budget). The kernels are the engine's: plain torch on
+CPU; on CUDA the Triton prefill (which returns LSE) and window scores, with torch stores and
+decode, because vLLM's cache views are strided differently from the engine's pools.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from sparse_core.config import SparsityConfig
+from sparse_core.kernels import KernelOps, get_ops, reference
+from sparse_core.policy import PromptBatch, select_kept_tokens
+from sparse_core.vllm_plugin.metadata import KVSparseMetadata, KVSparseMetadataBuilder
+from sparse_core.vllm_plugin.settings import current_settings
+
+
+class KVSparseAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "KVSPARSE"
+
+    @staticmethod
+    def get_impl_cls() -> type[KVSparseAttentionImpl]:
+        return KVSparseAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVSparseMetadataBuilder]:
+        return KVSparseMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Token-major blocks: a layer's cache is then [blocks, block_size, kv_heads, k|v], the
+        # engine's pool layout, so its kernels take views of it.
+        return (KVCacheLayout.LBNHC,)
+
+
+def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer view [blocks, kv_heads, block_size, 2 * head_size] -> K and V caches
+    [blocks, block_size, kv_heads, head_size] (strided views of the same memory)."""
+    by_token = kv_cache.transpose(1, 2)
+    return by_token[..., :head_size], by_token[..., head_size:]
+
+
+def plugin_ops(device: torch.device) -> KernelOps:
+    ops = get_ops(device)
+    return dataclasses.replace(
+        ops,
+        store_kv=reference.store_kv,
+        store_selected_kv=reference.store_selected_kv,
+        paged_decode_attention=reference.paged_decode_attention,
+    )
+
+
+class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        alibi_slopes: list[float] | None = None,
+        sliding_window: int | None = None,
+        kv_cache_dtype: str = "auto",
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        **unsupported,
+    ) -> None:
+        problems = [
+            name
+            for name, bad in (
+                ("ALiBi", alibi_slopes is not None),
+                ("sliding-window", sliding_window is not None),
+                ("soft-capped", bool(logits_soft_cap)),
+                ("non-decoder", attn_type != AttentionType.DECODER),
+                ("KV-sharing", kv_sharing_target_layer_name is not None),
+                ("sink", unsupported.get("sinks") is not None),
+            )
+            if bad
+        ]
+        if problems:
+            raise NotImplementedError(f"kvsparse: {', '.join(problems)} attention is not supported")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+        settings = current_settings()
+        self.sparsity = settings.sparsity if settings else SparsityConfig()
+        self.ops: KernelOps | None = None
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: KVSparseMetadata | None,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if attn_metadata is None:  # vLLM's profiling and warm-up runs
+            return output
+        m = attn_metadata
+        if self.ops is None:
+            self.ops = plugin_ops(query.device)
+        ops = self.ops
+        n = m.num_actual_tokens
+        q, k, v = query[:n], key[:n], value[:n]
+        out = output[:n]
+        k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
+        ops.store_kv(k, v, k_cache, v_cache, m.store_slots)
+        if len(m.prefill_index):
+            qp, kp, vp = q[m.prefill_index], k[m.prefill_index], v[m.prefill_index]
+            prefill_out, lse = ops.prefill_attention(
+                qp, kp, vp, m.prefill_cu_seqlens, self.scale, m.prefill_max_len
+            )
+            out[m.prefill_index] = prefill_out.to(out.dtype)
+            if m.compress_bounds:
+                prompts = PromptBatch.from_bounds(m.compress_bounds, query.device)
+                kept = select_kept_tokens(
+                    self.sparsity, m.budget, qp, kp, lse, prompts, self.scale, ops
+                )
+                ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots)
+        if len(m.decode_index):
+            # Block size 1: the slot table addresses single token slots.
+            k_slots = k_cache.reshape(-1, 1, *k_cache.shape[2:])
+            v_slots = v_cache.reshape(-1, 1, *v_cache.shape[2:])
+            decode_out = ops.paged_decode_attention(
+                q[m.decode_index],
+                k_slots,
+                v_slots,
+                m.decode_slot_table,
+                m.decode_context_lens,
+                self.scale,
+                m.decode_max_len,
+            )
+            out[m.decode_index] = decode_out.to(out.dtype)
+        return output

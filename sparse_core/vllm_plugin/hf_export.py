@@ -1,0 +1,59 @@
+"""Write a model that our loader reads (e.g. the built-in GGUF) as a Hugging Face directory.
+
+vLLM loads Hugging Face directories; the built-in SmolLM2 ships only as a Q4_1 GGUF. Exporting
+the weights our loader dequantised (float32, Q/K rows already in HF order) gives vLLM exactly
+the numbers our native engine runs on, so the two engines can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from sparse_core.models.loader import load_model_source
+
+CACHE_DIR = Path(os.environ.get("KVSPARSE_CACHE", Path.home() / ".cache" / "kvsparse"))
+
+
+def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
+    """The directory holding `model` in Hugging Face format, written on first use."""
+    out = Path(out_dir) if out_dir is not None else CACHE_DIR / "hf" / Path(model).stem
+    if (out / "config.json").is_file():
+        return out
+    source = load_model_source(model)
+    if source.weights is None:
+        raise ValueError(f"{model!r} has no weights to export (dummy models are random)")
+    out.mkdir(parents=True, exist_ok=True)
+    c = source.config
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias,
+        "hidden_act": "silu",
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
+        "torch_dtype": "float32",
+    }
+    weights = {name: t.contiguous() for name, t in source.weights.items()}
+    # Written under a temporary name so a crash never leaves a directory that looks complete.
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    source.tokenizer._backend().save_pretrained(str(out))
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    tmp.rename(out / "config.json")
+    return out

@@ -1,0 +1,62 @@
+"""The plugin's settings: vLLM's `additional_config["kvsparse"]`, else `KVSPARSE_VLLM_CONFIG`.
+
+Both hold the same dictionary: the fields of `SparsityConfig` plus `model_name` (the name of the
+calibrated profile that `full_layers="auto"` loads; default: the model directory's name). With
+neither set, the plugin stays out of the way and vLLM runs exactly as without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sparse_core.config import SparsityConfig
+from sparse_core.policy import LayerPlan, plan_layers
+
+CONFIG_KEY = "kvsparse"
+ENV_VAR = "KVSPARSE_VLLM_CONFIG"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    sparsity: SparsityConfig
+    model_name: str | None = None
+
+    def layer_plan(self, num_layers: int, model_path: str) -> LayerPlan:
+        return plan_layers(self.sparsity, num_layers, self.model_name or Path(model_path).name)
+
+
+def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
+    """Settings from a dictionary (or its JSON text); None means the plugin is off."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"kvsparse settings are not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"kvsparse settings must be a dictionary, got {type(raw).__name__}")
+    options = dict(raw)
+    model_name = options.pop("model_name", None)
+    return PluginSettings(SparsityConfig.from_dict(options), model_name)
+
+
+def settings_from_vllm_config(vllm_config: Any) -> PluginSettings | None:
+    """The settings of the engine being configured: additional_config first, then the env."""
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    if isinstance(additional, dict) and CONFIG_KEY in additional:
+        return parse_settings(additional[CONFIG_KEY])
+    return parse_settings(os.environ.get(ENV_VAR))
+
+
+def current_settings() -> PluginSettings | None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is None:
+        return parse_settings(os.environ.get(ENV_VAR))
+    return settings_from_vllm_config(config)
