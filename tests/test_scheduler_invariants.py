@@ -1,4 +1,5 @@
-"""Randomised workloads: arrivals, aborts, preemptions and stops never leak or share a block."""
+"""Randomised workloads: arrivals, aborts, preemptions and stops never leak or share a block,
+with whole prompts and prompts split by compress_prefix_len."""
 
 from __future__ import annotations
 
@@ -31,11 +32,14 @@ def test_random_workload_keeps_every_pool_consistent(name):
         expected_output_len=20,
     )
     engine = llm.engine
-    submitted, finished, aborted = 0, {}, set()
+    submitted, finished, aborted, split = 0, {}, set(), set()
     for _ in range(400):
         if submitted < 60 and rng.random() < 0.7:
             prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(5, 200))]
+            # A third of the requests compress only a prefix and are fed the rest token by token.
+            prefix = rng.randrange(1, len(prompt) + 1) if rng.random() < 0.33 else None
             params = SamplingParams(
+                compress_prefix_len=prefix,
                 max_tokens=rng.randrange(1, 60),
                 temperature=rng.choice([0.0, 0.8]),
                 seed=rng.randrange(100),
@@ -43,6 +47,8 @@ def test_random_workload_keeps_every_pool_consistent(name):
                 ignore_eos=True,
             )
             engine.add_request(f"r{submitted}", prompt, params)
+            if prefix is not None:
+                split.add(f"r{submitted}")
             submitted += 1
         if engine.sequences and rng.random() < 0.1:
             victim = rng.choice(list(engine.sequences))
@@ -61,8 +67,10 @@ def test_random_workload_keeps_every_pool_consistent(name):
 
     assert engine.scheduler.num_preemptions > 0, "the workload should have forced preemptions"
     assert len(finished) + len(aborted) == submitted
+    assert any(finished[r].num_preemptions for r in split & finished.keys()), "no split recompute"
     for out in finished.values():
         assert out.finish_reason in ("stop", "length")
         assert len(out.token_ids) >= 1
+        assert out.first_token_time is not None
     for pool in engine.block_manager.pools:
         assert pool.num_free == pool.num_blocks

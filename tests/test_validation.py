@@ -97,11 +97,19 @@ def test_token_ids_outside_the_vocabulary(tiny):
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"stop": [""]}, "stop strings"),
+        ({"compress_prefix_len": 0}, "compress_prefix_len must be a positive integer"),
+        ({"compress_prefix_len": True}, "compress_prefix_len must be a positive integer"),
+        ({"compress_prefix_len": 2.5}, "compress_prefix_len must be a positive integer"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_compress_prefix_longer_than_the_prompt(tiny):
+    with pytest.raises(ValueError, match=r"compress_prefix_len \(4\) exceeds the prompt's 3"):
+        tiny.generate([[1, 2, 3]], SamplingParams(compress_prefix_len=4))
 
 
 def test_request_larger_than_the_whole_cache():

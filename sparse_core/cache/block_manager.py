@@ -40,8 +40,8 @@ class BlockManager:
 
     def prefill_kv_lens(self, seq: Sequence) -> list[int]:
         """Tokens each group will hold after prefilling the sequence (prompt + any outputs,
-        when it is recomputed after preemption)."""
-        return [group.kept_tokens(len(seq)) for group in self.plan.groups]
+        when it is recomputed after preemption; or the prompt's compressed prefix)."""
+        return [group.kept_tokens(seq.num_prefill_tokens) for group in self.plan.groups]
 
     def blocks_for_prefill(self, seq: Sequence) -> list[int]:
         return [cdiv(n, self.block_size) for n in self.prefill_kv_lens(seq)]
@@ -49,7 +49,8 @@ class BlockManager:
     def why_never_fits(self, seq: Sequence) -> str | None:
         """Why the sequence could not finish even alone in the cache, or None if it can."""
         for group, pool in zip(self.plan.groups, self.pools, strict=True):
-            peak = group.kept_tokens(len(seq.prompt_token_ids)) + seq.params.max_tokens
+            prefill = seq.num_prefill_tokens
+            peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
             need = cdiv(peak, self.block_size)
             if need > pool.num_blocks:
                 return (
@@ -73,7 +74,8 @@ class BlockManager:
             seq.block_tables[g] = blocks
             seq.kv_lens[g] = n
             self.host_tables[g][seq.table_row, : len(blocks)] = torch.tensor(blocks)
-        seq.prompt_kv_lens = lens
+        # Prompt tokens still to come (forced one per step) are kept whole.
+        seq.prompt_kv_lens = [n + seq.num_forced_prompt_tokens for n in lens]
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token in every group (a new block where the last one is full)."""

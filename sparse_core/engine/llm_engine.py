@@ -166,6 +166,12 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt is empty")
+        prefix = params.compress_prefix_len
+        if prefix is not None and prefix > len(token_ids):
+            raise ValueError(
+                f"compress_prefix_len ({prefix}) exceeds the prompt's {len(token_ids)} tokens; it "
+                f"counts the prompt tokens to prefill and compress before the rest is fed"
+            )
         limit = self.config.max_model_len
         if len(token_ids) >= limit:
             raise ValueError(
@@ -201,7 +207,8 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; returns the outputs of every sequence in it."""
+        """Run one prefill or decode step; returns the outputs of every sequence in it that
+        produced a token (not those fed a forced prompt token)."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             return []
@@ -212,6 +219,9 @@ class LLMEngine:
             self.step_records.append(self._step_record(seqs, is_prefill, now - start))
         outputs = []
         for seq, token in zip(seqs, tokens, strict=True):
+            seq.num_computed_tokens += seq.num_new_tokens(is_prefill)
+            if token is None:
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_token_ids.append(token)
@@ -228,7 +238,7 @@ class LLMEngine:
         return StepRecord(
             is_prefill=is_prefill,
             num_seqs=len(seqs),
-            num_tokens=sum(len(s) for s in seqs) if is_prefill else len(seqs),
+            num_tokens=sum(s.num_new_tokens(is_prefill) for s in seqs),
             kv_token_layers=sum(
                 n * kv for seq in seqs for n, kv in zip(layers, seq.kv_lens, strict=True)
             ),

@@ -133,12 +133,16 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager) -> list[int]:
+    def run(
+        self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager
+    ) -> list[int | None]:
+        """The next token of every sequence; None where the step fed a forced token."""
         if is_prefill:
             step: PrefillBatch | DecodeBatch = self._prepare_prefill(seqs)
         else:
             step = self._prepare_decode(seqs, block_manager)
-        return sample(self.execute(step), seqs, self.generator)
+        wanted = [seq.samples_next_token(is_prefill) for seq in seqs]
+        return sample(self.execute(step), seqs, self.generator, wanted)
 
     @torch.inference_mode()
     def execute(self, step: PrefillBatch | DecodeBatch) -> torch.Tensor:
@@ -156,7 +160,8 @@ class ModelRunner:
         return [table[i // bs] * bs + i % bs for i in range(count)]
 
     def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
-        """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step.
+        """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step,
+        or only their compressed prefix when the request sets compress_prefix_len.
 
         In a group that keeps fewer tokens than the sequence has, its tokens get slot -1 and a
         compression job instead: only the kept tokens ever reach that group's pool.
@@ -169,8 +174,8 @@ class ModelRunner:
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         for seq in seqs:
-            start, n = len(input_ids), len(seq)
-            input_ids += seq.token_ids
+            start, n = len(input_ids), seq.num_prefill_tokens
+            input_ids += seq.token_ids[:n]
             positions += range(n)
             cu_seqlens.append(start + n)
             for g, kept in enumerate(seq.kv_lens):
@@ -185,7 +190,7 @@ class ModelRunner:
             input_ids,
             positions,
             cu_seqlens,
-            max(len(seq) for seq in seqs),
+            max(seq.num_prefill_tokens for seq in seqs),
             slot_mappings,
             compress_bounds,
             compress_slots,
@@ -215,8 +220,8 @@ class ModelRunner:
     def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
         num_groups = len(self.plan.groups)
         return DecodeBatch(
-            input_ids=[seq.last_token_id for seq in seqs],
-            positions=[len(seq) - 1 for seq in seqs],
+            input_ids=[seq.next_input_token_id for seq in seqs],
+            positions=[seq.num_computed_tokens for seq in seqs],
             slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
             block_tables=block_manager.batch_tables(seqs),
             context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],

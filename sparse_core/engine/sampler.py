@@ -7,15 +7,21 @@ import torch
 from sparse_core.engine.sequence import Sequence
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> list[int]:
-    """logits [B, V] float32 -> one token id per sequence.
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator, wanted: list[bool]
+) -> list[int | None]:
+    """logits [B, V] float32 -> one token id per sequence, None where not `wanted`.
 
     A sequence with a `seed` draws from its own generator, so its output does not depend on what
-    else is in the batch; the others share the engine's generator.
+    else is in the batch; the others share the engine's generator. Rows that are not wanted (a
+    forced prompt token's prediction) draw nothing, so a split prompt samples like a whole one.
     """
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens: list[int | None] = logits.argmax(dim=-1).tolist()
     for row, seq in enumerate(seqs):
         params = seq.params
+        if not wanted[row]:
+            tokens[row] = None
+            continue
         if params.greedy:
             continue
         scores = logits[row].cpu() / params.temperature

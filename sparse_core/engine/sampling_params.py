@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SamplingParams:
-    """temperature 0 is greedy; `stop` strings are cut from the returned text, as OpenAI does."""
+    """temperature 0 is greedy; `stop` strings are cut from the returned text, as OpenAI does.
+
+    compress_prefix_len: prefill (and compress) only the first N prompt tokens, with the
+    observation window at their end; the rest of the prompt is then fed one token per step over
+    the compressed cache, so compression never sees it (the "query-agnostic" setting: context
+    first, question after). None prefills the whole prompt at once. Either way the whole prompt
+    is the request's prompt (`prompt_token_ids`), and its output starts after it.
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -17,6 +24,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    compress_prefix_len: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -33,6 +41,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        n = self.compress_prefix_len
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError(f"compress_prefix_len must be a positive integer or None, got {n!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,5 +1,6 @@
 """Continuous batching: each step is either a prefill of newly admitted prompts or one decode
-token for every running sequence. A prompt is admitted only when every layer group has room for
+token for every running sequence (a generated one, or a prompt token fed after a compressed
+prefix). A prompt is admitted only when every layer group has room for
 it; when a group runs out during decode, the newest sequence is preempted and recomputed later."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Scheduler:
         num_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_tokens + len(seq) > self.max_num_batched_tokens:
+            if num_tokens + seq.num_prefill_tokens > self.max_num_batched_tokens:
                 break
             if not self.block_manager.can_allocate(seq):
                 break
@@ -48,7 +49,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            num_tokens += len(seq)
+            num_tokens += seq.num_prefill_tokens
         return admitted
 
     def _prepare_decode(self) -> list[Sequence]:

@@ -34,6 +34,7 @@ class Sequence:
     # Per layer group: tokens kept right after the prompt was prefilled (its compression).
     prompt_kv_lens: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
+    num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
     table_row: int = -1  # this sequence's row in the block manager's host block tables
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -49,14 +50,38 @@ class Sequence:
         self.block_tables = [[] for _ in range(self.num_groups)]
         self.kv_lens = [0] * self.num_groups
         self.table_row = -1
+        self.num_computed_tokens = 0
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    def num_prefill_tokens(self) -> int:
+        """Tokens a prefill feeds: all known ones, or only the prompt's compressed prefix (the
+        rest, prompt and any outputs being recomputed, then goes one per decode step)."""
+        prefix = self.params.compress_prefix_len
+        return len(self) if prefix is None else prefix
+
+    @property
+    def num_forced_prompt_tokens(self) -> int:
+        """Prompt tokens fed by decode steps after the prefill (0 without compress_prefix_len)."""
+        return max(0, len(self.prompt_token_ids) - self.num_prefill_tokens)
+
+    def num_new_tokens(self, is_prefill: bool) -> int:
+        """Tokens the next step feeds to the model."""
+        return self.num_prefill_tokens if is_prefill else 1
+
+    def samples_next_token(self, is_prefill: bool) -> bool:
+        """Whether the next step ends at the last known token, so that what it samples is the
+        next output token (and not a forced token's discarded prediction)."""
+        return self.num_computed_tokens + self.num_new_tokens(is_prefill) == len(self)
+
+    @property
+    def next_input_token_id(self) -> int:
+        """The token a decode step feeds: the first one not yet computed."""
+        i, num_prompt = self.num_computed_tokens, len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < num_prompt else self.output_token_ids[i - num_prompt]
 
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
