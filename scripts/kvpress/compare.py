@@ -18,6 +18,7 @@ def main() -> None:
         {
             r.config: r
             for r in summarize([SampleResult(**d) for d in json.loads(Path(p).read_text())])
+            if r.setting == "query-aware"  # kvpress.json is query-aware only
         }
         for p in sys.argv[1:3]
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from sparse_core.eval.runner import EvalConfig, RunSettings, SampleResult, run_suite
 from sparse_core.eval.tasks import Sample
+from sparse_core.models.loader import ModelSource
 
 
 @dataclass
@@ -40,9 +41,15 @@ def band_configs(num_layers: int, band_size: int, ratio: float) -> list[EvalConf
 
 
 def measure(
-    samples: list[Sample], settings: RunSettings, num_layers: int, band_size: int, ratio: float
+    samples: list[Sample],
+    settings: RunSettings,
+    num_layers: int,
+    band_size: int,
+    ratio: float,
+    source: ModelSource | None = None,
 ) -> tuple[list[BandSensitivity], list[SampleResult]]:
-    results = run_suite(band_configs(num_layers, band_size, ratio), samples, settings)
+    configs = band_configs(num_layers, band_size, ratio)
+    results = run_suite(configs, samples, settings, source=source)
     acc = _accuracy(results)
     dense, floor = acc["dense"], acc["all-compressed"]
     out = [

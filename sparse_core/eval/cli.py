@@ -11,8 +11,15 @@ from pathlib import Path
 
 from sparse_core.config import POLICIES
 from sparse_core.eval import calibrate as cal
-from sparse_core.eval.report import markdown_table, plot, summarize
-from sparse_core.eval.runner import EvalConfig, RunSettings, as_dicts, run_suite
+from sparse_core.eval.report import markdown_table, plot, settings_table, summarize
+from sparse_core.eval.runner import (
+    QUERY_AWARE,
+    QUERY_SETTINGS,
+    EvalConfig,
+    RunSettings,
+    as_dicts,
+    run_suite,
+)
 from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
 
 
@@ -44,6 +51,12 @@ def _common_args(p: argparse.ArgumentParser, samples: int, seed: int) -> None:
 def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
     ev = sub.add_parser("eval", help="long-context accuracy of sparsity policies (offline tasks)")
     _common_args(ev, samples=10, seed=0)
+    ev.add_argument(
+        "--settings",
+        default=",".join(QUERY_SETTINGS),
+        help="comma-separated query settings: the question in the prompt (query-aware), or fed "
+        "after the context was compressed (query-agnostic)",
+    )
     ev.add_argument("--policies", default=",".join(POLICIES))
     ev.add_argument("--ratios", default="2,4,8,16", help="nominal compressions of the prompt")
     ev.add_argument("--full-layers", default="0", help="N, a,b,c or auto (the calibrated set)")
@@ -51,6 +64,13 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
         "--match-effective",
         action="store_true",
         help="budgets that make the compression over all layers (full ones too) equal the ratio",
+    )
+    ev.add_argument(
+        "--profile-comparison",
+        action="store_true",
+        help="instead of the policy grid: calibrate's comparison of layer profiles (dense, "
+        "uniform, first 3 full, calibrated, random on the calibrated layers) at equal effective "
+        "compression, at each of --ratios",
     )
     ev.set_defaults(func=cmd_eval)
 
@@ -74,6 +94,8 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         device=args.device,
         dtype=args.dtype,
+        # calibrate: query-aware, the setting of serving
+        query_settings=tuple(getattr(args, "settings", QUERY_AWARE).split(",")),
     )
 
 
@@ -93,19 +115,28 @@ def _samples(args: argparse.Namespace) -> tuple[list[Sample], object]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    samples, _ = _samples(args)
+    settings = _settings(args)  # checks --settings before the model loads
+    samples, source = _samples(args)
     from sparse_core.cli import parse_full_layers  # sparse_core.cli imports this module
 
-    full = parse_full_layers(args.full_layers, args.model)
-    configs = [
-        EvalConfig("dense")
-        if policy == "dense"
-        else EvalConfig(policy, r, full, match_effective=args.match_effective)
-        for policy in args.policies.split(",")
-        for r in ([None] if policy == "dense" else _floats(args.ratios))
-    ]
-    results = run_suite(configs, samples, _settings(args))
-    _write(args, results, f"{args.model}: accuracy vs compression (query-aware)")
+    if args.profile_comparison:
+        from sparse_core.policy import load_profile
+
+        full_layers = load_profile(source.config.name)["full_layers"]
+        configs = cal.comparison_configs(full_layers, _floats(args.ratios))
+        title = f"{args.model}: layer profiles at equal compression"
+    else:
+        full = parse_full_layers(args.full_layers, args.model)
+        configs = [
+            EvalConfig("dense")
+            if policy == "dense"
+            else EvalConfig(policy, r, full, match_effective=args.match_effective)
+            for policy in args.policies.split(",")
+            for r in ([None] if policy == "dense" else _floats(args.ratios))
+        ]
+        title = f"{args.model}: accuracy vs compression"
+    results = run_suite(configs, samples, settings, source=source)
+    _write(args, results, title)
     return 0
 
 
@@ -115,7 +146,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     samples, source = _samples(args)
     num_layers, name = source.config.num_hidden_layers, source.config.name
     settings = _settings(args)
-    sens, probe_results = cal.measure(samples, settings, num_layers, args.band_size, args.ratio)
+    sens, probe_results = cal.measure(
+        samples, settings, num_layers, args.band_size, args.ratio, source
+    )
     full = cal.choose_full_layers(sens, args.num_full)
     for b in sens:
         print(f"layers {b.layers}: damage {b.damage:+.1f}  rescue {b.rescue:+.1f}", file=sys.stderr)
@@ -142,7 +175,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     args.seed = args.compare_seed
     compare_samples, _ = _samples(args)
     configs = cal.comparison_configs(full, _floats(args.compare_ratios))
-    compare = run_suite(configs, compare_samples, settings)
+    compare = run_suite(configs, compare_samples, settings, source=source)
     print(markdown_table(summarize(probe_results)))
     _write(args, compare, f"{name}: layer profiles at equal compression", plot_it=False)
     if args.plot:
@@ -161,6 +194,8 @@ def _write(args: argparse.Namespace, results: list, title: str, plot_it: bool = 
     text = (
         markdown_table(rows) + "\n\nBy task:\n\n" + markdown_table(summarize(results, "task"), "")
     )
+    if len({r.setting for r in rows}) > 1:
+        text = settings_table(rows) + "\n\nBy length:\n\n" + text
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(as_dicts(results)) + "\n")

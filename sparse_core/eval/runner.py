@@ -1,4 +1,9 @@
-"""Run the suite: every (policy, compression) configuration over the same samples, through `LLM`."""
+"""Run the suite: every (policy, compression) configuration over the same samples, through `LLM`,
+in one or both query settings:
+- query-aware: the whole prompt is prefilled, so the question sits in the observation window;
+- query-agnostic: only the context is prefilled and compressed (window = its last tokens), then
+  the question is fed over the compressed cache (`SamplingParams.compress_prefix_len`).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from tqdm import tqdm
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.eval.tasks import Sample, score
 from sparse_core.models.loader import ModelSource, load_model_source
+
+QUERY_AWARE, QUERY_AGNOSTIC = "query-aware", "query-agnostic"
+QUERY_SETTINGS = (QUERY_AWARE, QUERY_AGNOSTIC)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class SampleResult:
     score: float
     compression: float  # effective: prompt token-layers / kept token-layers, over all layers
     output: str
+    setting: str = QUERY_AWARE
 
 
 @dataclass
@@ -74,7 +83,15 @@ class RunSettings:
     kv_cache_memory_gb: float = 4.0
     device: str | None = None
     dtype: str | None = None
+    query_settings: tuple[str, ...] = (QUERY_AWARE,)
     engine_args: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.query_settings) - set(QUERY_SETTINGS)
+        if unknown or not self.query_settings:
+            raise ValueError(
+                f"query settings must be among {QUERY_SETTINGS}, got {self.query_settings}"
+            )
 
 
 def num_full_layers(config: EvalConfig, num_layers: int, model_name: str) -> int:
@@ -93,7 +110,8 @@ def run_config(
     source: ModelSource,
     bar: tqdm | None = None,
 ) -> list[SampleResult]:
-    """All samples under one configuration: one engine per prompt length (budgets scale with it)."""
+    """All samples under one configuration, in every query setting: one engine per prompt length
+    (budgets scale with it), both settings' requests in the same batch."""
     results: list[SampleResult] = []
     by_length: dict[int, list[Sample]] = {}
     for s in samples:
@@ -102,12 +120,21 @@ def run_config(
     for length in lengths:
         group = by_length[length] if config.ratio is not None else samples
         llm = _make_llm(config, length, settings, source)
-        params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in group]
-        outs = llm.generate([s.prompt_ids for s in group], params)
-        for s, out in zip(group, outs, strict=True):
+        jobs = [(s, setting) for setting in settings.query_settings for s in group]
+        params = [
+            SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=0.0,
+                compress_prefix_len=s.context_len if setting == QUERY_AGNOSTIC else None,
+            )
+            for s, setting in jobs
+        ]
+        outs = llm.generate([s.prompt_ids for s, _ in jobs], params)
+        for (s, setting), out in zip(jobs, outs, strict=True):
             results.append(
                 SampleResult(
                     config=config.name,
+                    setting=setting,
                     task=s.task,
                     length=s.length,
                     index=s.index,
@@ -119,7 +146,7 @@ def run_config(
                 )
             )
         if bar is not None:
-            bar.update(len(group))
+            bar.update(len(jobs))
     return results
 
 
@@ -143,11 +170,17 @@ def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: Mo
 
 
 def run_suite(
-    configs: list[EvalConfig], samples: list[Sample], settings: RunSettings, progress: bool = True
+    configs: list[EvalConfig],
+    samples: list[Sample],
+    settings: RunSettings,
+    progress: bool = True,
+    source: ModelSource | None = None,
 ) -> list[SampleResult]:
+    """`source`: the model already loaded (the one `settings.model` names)."""
     results: list[SampleResult] = []
-    source = load_model_source(settings.model)
-    with tqdm(total=len(configs) * len(samples), desc="eval", disable=not progress) as bar:
+    source = source or load_model_source(settings.model)
+    total = len(configs) * len(samples) * len(settings.query_settings)
+    with tqdm(total=total, desc="eval", disable=not progress) as bar:
         for config in configs:
             start = time.monotonic()
             results += run_config(config, samples, settings, source, bar)

@@ -2,8 +2,9 @@
 
 Every prompt is a chat turn: an instruction, the context (a haystack with needles in it), the
 question at the end, then the start of the answer after the assistant header, so that a small
-instruct model answers in a form that can be checked by string match. The question therefore sits
-in the engine's observation window: the query-aware setting.
+instruct model answers in a form that can be checked by string match. Sent whole, the question
+sits in the engine's observation window (the query-aware setting); `context_len` marks where the
+question starts, so the runner can have only the part before it compressed (query-agnostic).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Sample:
     prompt_ids: list[int]
     answers: list[str]  # every one must appear in the output for full marks
     max_tokens: int
+    context_len: int  # prompt tokens before the question (chat header, instruction, context)
 
 
 def score(sample: Sample, output: str) -> float:
@@ -84,10 +86,25 @@ class TaskBuilder:
 
     # -- shared pieces ----------------------------------------------------------------------
 
-    def _prompt(self, instruction: str, context: str, question: str, prefix: str) -> list[int]:
-        content = f"{instruction}\n\n{context}\n\n{question}"
-        ids = self.tokenizer.encode_chat([{"role": "user", "content": content}])
-        return ids + self.tokenizer.encode(prefix, add_special_tokens=False)
+    def _prompt(
+        self, instruction: str, context: str, question: str, prefix: str
+    ) -> tuple[list[int], int]:
+        """The prompt's token ids and how many of them come before the question."""
+        head = f"{instruction}\n\n{context}"
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{head}\n\n{question}"}]
+        )
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids += self.tokenizer.encode(prefix, add_special_tokens=False)
+        # Tokens of the text up to the end of the context; the few that could merge across the
+        # boundary are counted with the question.
+        before = self.tokenizer.encode(
+            text[: text.index(head) + len(head)], add_special_tokens=False
+        )
+        context_len = next(
+            (i for i, (a, b) in enumerate(zip(before, ids, strict=False)) if a != b), len(before)
+        )
+        return ids, context_len
 
     def _filler(self, piece: Piece, num_tokens: int, rng: random.Random) -> list[str]:
         """Consecutive units (wrapping around) from a random start, about num_tokens in all."""
@@ -110,18 +127,19 @@ class TaskBuilder:
         instruction: str,
         question: str,
         prefix: str,
-    ) -> list[int]:
-        """The longest prompt of at most `length` tokens with the needles at the given depths."""
-        overhead = len(self._prompt(instruction, " ".join(needles), question, prefix))
+    ) -> tuple[list[int], int]:
+        """The longest prompt of at most `length` tokens with the needles at the given depths,
+        and its context length."""
+        overhead = len(self._prompt(instruction, " ".join(needles), question, prefix)[0])
         budget = length - overhead
         while True:
             units = self._filler(piece, budget, rng)
             # Insert from the deepest so earlier positions stay valid.
             for needle, depth in sorted(zip(needles, depths, strict=True), key=lambda x: -x[1]):
                 units.insert(round(depth * len(units)), needle)
-            ids = self._prompt(instruction, " ".join(units), question, prefix)
+            ids, context_len = self._prompt(instruction, " ".join(units), question, prefix)
             if len(ids) <= length:
-                return ids
+                return ids, context_len
             budget -= len(ids) - length + 8  # joins tokenise a little differently; retry shorter
 
     # -- tasks --------------------------------------------------------------------------------
@@ -129,7 +147,7 @@ class TaskBuilder:
     def _passkey(self, rng: random.Random, length: int, depth: float) -> Sample:
         key = str(rng.randint(10000, 99999))
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-        ids = self._fit(
+        ids, context_len = self._fit(
             length,
             self.noise,
             rng,
@@ -140,7 +158,7 @@ class TaskBuilder:
             "What is the pass key?",
             "The pass key is",
         )
-        return Sample("passkey", length, 0, depth, ids, [key], 12)
+        return Sample("passkey", length, 0, depth, ids, [key], 12, context_len)
 
     def _niah(
         self,
@@ -175,7 +193,7 @@ class TaskBuilder:
             if plural
             else f"The special magic number for {asked} mentioned in the provided text is"
         )
-        ids = self._fit(
+        ids, context_len = self._fit(
             length,
             piece,
             rng,
@@ -186,7 +204,7 @@ class TaskBuilder:
             question,
             prefix,
         )
-        return Sample(task, length, 0, depth, ids, values[0], 12 * num_values)
+        return Sample(task, length, 0, depth, ids, values[0], 12 * num_values, context_len)
 
     def _niah_single_noise(self, rng: random.Random, length: int, depth: float) -> Sample:
         return self._niah("niah_single_noise", rng, length, depth, self.noise)
@@ -209,7 +227,7 @@ class TaskBuilder:
         chain = [f"VAR {names[0]} = {value}."]
         chain += [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(names)]
         depths = sorted(rng.random() for _ in chain)
-        ids = self._fit(
+        ids, context_len = self._fit(
             length,
             self.noise,
             rng,
@@ -220,7 +238,7 @@ class TaskBuilder:
             f"Answer: According to the chain(s) of variable assignment in the text above, "
             f"{len(names)} variables are assigned the value {value}, they are:",
         )
-        return Sample("variable_tracking", length, 0, None, ids, names, 30)
+        return Sample("variable_tracking", length, 0, None, ids, names, 30, context_len)
 
     def _frequent_words(self, rng: random.Random, length: int, depth: float) -> Sample:
         vocab = ["".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=5)) for _ in range(400)]
@@ -234,15 +252,15 @@ class TaskBuilder:
             "appeared words in the above coded text?"
         )
         prefix = "Answer: According to the coded text above, the three most frequently appeared words are:"
-        overhead = len(self._prompt(instruction, "", question, prefix))
+        overhead = len(self._prompt(instruction, "", question, prefix)[0])
         num_words = length - overhead  # at least one token per word: an upper bound
         while True:
             words = rng.choices(vocab, weights=weights, k=num_words)
-            ids = self._prompt(instruction, " ".join(words), question, prefix)
+            ids, context_len = self._prompt(instruction, " ".join(words), question, prefix)
             if len(ids) <= length:
                 break
             per_word = (len(ids) - overhead) / num_words
             num_words -= int((len(ids) - length) / per_word) + 1
         counts = {w: words.count(w) for w in set(words)}
         top = sorted(counts, key=lambda w: (-counts[w], w))[:3]
-        return Sample("frequent_words", length, 0, None, ids, top, 24)
+        return Sample("frequent_words", length, 0, None, ids, top, 24, context_len)

@@ -39,7 +39,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch):
     from sparse_core.eval import cli as eval_cli
     from sparse_core.eval.runner import SampleResult
 
-    def fake_run_suite(configs, samples, settings, progress=True):
+    def fake_run_suite(configs, samples, settings, progress=True, source=None):
         # Layers 10-14 matter: compressing them loses everything, keeping them whole saves it.
         def acc(c: EvalConfig) -> float:
             if c.name == "dense":

@@ -45,7 +45,17 @@ def test_needle_depth_moves_the_needle(builder):
 
 
 def test_score_is_the_fraction_of_answers_found():
-    s = Sample("t", 10, 0, None, [1], ["123", "456"], 8)
+    s = Sample("t", 10, 0, None, [1], ["123", "456"], 8, 1)
     assert score(s, "the numbers are 123 and 456") == 1.0
     assert score(s, "only 123") == 0.5
     assert score(s, "12 3") == 0.0
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_context_len_ends_the_context_before_the_question(builder, task):
+    s = builder.build(task, LENGTH, 1)[0]
+    context = builder.tokenizer.decode(s.prompt_ids[: s.context_len])
+    rest = builder.tokenizer.decode(s.prompt_ids[s.context_len :])
+    assert all(a in context for a in s.answers)
+    assert rest.lstrip().startswith(("What", "Question")), rest
+    assert len(s.prompt_ids) - s.context_len < 100  # the question and the answer's start only
