@@ -105,6 +105,16 @@ def test_builtin_config(smollm: ModelSource, gguf_path: Path) -> None:
     assert (c.bos_token_id, c.eos_token_ids) == (1, [2])
 
 
+def test_builtin_alias_follows_its_environment_variable(monkeypatch, tmp_path, gguf_path):
+    link = tmp_path / "model.gguf"
+    link.symlink_to(gguf_path)
+    monkeypatch.setenv("KVSPARSE_SMOLLM2_GGUF", str(link))
+    assert builtin_model_path(DEFAULT_MODEL) == str(link)
+    monkeypatch.setenv("KVSPARSE_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match=r"KVSPARSE_SMOLLM2_GGUF=.*missing\.gguf is not a file"):
+        builtin_model_path(DEFAULT_MODEL)
+
+
 def test_builtin_weights_equal_transformers(smollm: ModelSource, hf_state_dict) -> None:
     ours = smollm.weights
     assert ours is not None

