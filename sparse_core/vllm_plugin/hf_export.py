@@ -50,9 +50,10 @@ def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
         "torch_dtype": "float32",
     }
     weights = {name: t.contiguous() for name, t in source.weights.items()}
-    # Written under a temporary name so a crash never leaves a directory that looks complete.
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     source.tokenizer._backend().save_pretrained(str(out))
+    # config.json last, and renamed into place: a crash never leaves a directory that looks
+    # complete (its presence is what marks the export done).
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=2))
     tmp.rename(out / "config.json")

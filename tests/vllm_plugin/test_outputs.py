@@ -1,0 +1,115 @@
+"""SmolLM2 through stock vLLM with the plugin: greedy outputs and vLLM's own free-block count.
+
+One vLLM engine per configuration (about 25 s each on 2 cores). Prompts: two short ones and two
+500-token passkey prompts from the accuracy suite, fed as token ids so every engine sees the
+same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.eval.tasks import TaskBuilder
+from tests.vllm_plugin.conftest import ENGINE_ARGS, MODEL
+from tests.vllm_plugin.helpers import Run, run_steps
+
+pytest.importorskip("vllm")
+from sparse_core.vllm_plugin.engine import vllm_llm
+from sparse_core.vllm_plugin.kv_spec import gap_blocks
+
+MAX_TOKENS = 24
+MAX_MODEL_LEN = 1024
+BLOCK = ENGINE_ARGS["block_size"]
+# Budget well below the 500-token prompts; the first 3 layers stay whole.
+SPARSE = SparsityConfig(policy="snapkv", budget=96, window=16, sinks=4, full_layers=3)
+# The same layer groups, with a budget no prompt reaches: nothing is compressed.
+ROOMY = SparsityConfig(policy="snapkv", budget=MAX_MODEL_LEN, window=16, sinks=4, full_layers=3)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_source) -> list[list[int]]:
+    tok = model_source.tokenizer
+    short = [tok.encode(t) for t in ("The capital of France is", "Write a haiku about rain.")]
+    long = [s.prompt_ids for s in TaskBuilder(tok, seed=0).build("passkey", 500, 2)]
+    return short + long
+
+
+def _run(sparsity: SparsityConfig | None, prompts: list[list[int]]) -> Run:
+    with vllm_llm(MODEL, sparsity, max_model_len=MAX_MODEL_LEN, **ENGINE_ARGS) as llm:
+        return run_steps(llm, prompts, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def stock(prompts) -> Run:
+    return _run(None, prompts)
+
+
+@pytest.fixture(scope="module")
+def roomy(prompts) -> Run:
+    return _run(ROOMY, prompts)
+
+
+@pytest.fixture(scope="module")
+def sparse(prompts) -> Run:
+    return _run(SPARSE, prompts)
+
+
+def test_stock_vllm_runs_its_own_attention(stock):
+    assert stock.backends == {"CPUAttentionBackendImpl"}
+    assert {g[0] for g in stock.groups} == {"FullAttentionSpec"}
+
+
+def test_dense_through_the_plugin_matches_stock_vllm(prompts, stock):
+    dense = _run(SparsityConfig(policy="dense"), prompts)
+    assert dense.backends == {"KVSparseAttentionImpl"}
+    assert {g[0] for g in dense.groups} == {"FullAttentionSpec"}
+    assert dense.token_ids == stock.token_ids
+
+
+def test_budget_at_least_the_prompt_keeps_every_token(stock, roomy):
+    assert roomy.backends == {"KVSparseAttentionImpl"}
+    assert roomy.groups[0] == ("FullAttentionSpec", None, 3)
+    assert {g[:2] for g in roomy.groups[1:]} == {("BudgetAttentionSpec", MAX_MODEL_LEN)}
+    assert roomy.token_ids == stock.token_ids
+
+
+def test_sparse_groups_free_the_dropped_blocks_while_decoding(prompts, roomy, sparse):
+    # Same layer groups in both engines (1 full + 9 budget groups of 3 layers), so the same
+    # block pool; only the budget differs.
+    assert [g[0] for g in sparse.groups] == [g[0] for g in roomy.groups]
+    sparse_groups = sum(g[0] == "BudgetAttentionSpec" for g in sparse.groups)
+    freed_per_group = sum(len(gap_blocks(SPARSE.budget, len(p), BLOCK)) for p in prompts)
+    assert freed_per_group > 0
+    # vLLM's free-block count while every request decodes: from its second generated token (the
+    # gap is freed when the step after the prompt's is scheduled) until one finishes. Its
+    # highest value comes right after the gaps are freed, before decoding allocates more; the
+    # two engines differ there by the gap blocks of every prompt in every budget group. (Runs
+    # are lined up by progress, not step: the client may fetch two engine steps at once.)
+    highest = []
+    for run in (roomy, sparse):
+        decoding = [
+            free for key, free in run.free_blocks.items() if min(key) >= 2 and max(key) < MAX_TOKENS
+        ]
+        assert len(decoding) >= 3
+        highest.append(max(decoding))
+    assert highest[1] - highest[0] == sparse_groups * freed_per_group
+
+
+def test_sparse_outputs_match_the_native_engine(prompts, stock, sparse):
+    native = LLM(
+        model=MODEL,
+        sparsity=SPARSE,
+        device="cpu",
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        enforce_eager=True,
+        kv_cache_memory_gb=0.25,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [out.token_ids for out in native.generate(prompts, params)]
+    # The budget changes the long prompts' continuations (else this test would prove nothing)...
+    assert sparse.token_ids[2:] != stock.token_ids[2:]
+    # ...and short prompts, within the budget, decode exactly as dense.
+    assert sparse.token_ids[:2] == stock.token_ids[:2]
+    assert sparse.token_ids == expected
