@@ -17,6 +17,7 @@ from sparse_core.eval.runner import (
     QUERY_SETTINGS,
     EvalConfig,
     RunSettings,
+    SampleResult,
     as_dicts,
     run_suite,
 )
@@ -43,6 +44,9 @@ def _common_args(p: argparse.ArgumentParser, samples: int, seed: int) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step"
+    )
     p.add_argument("--json", default=None, help="write every sample's result here")
     p.add_argument("--markdown", default=None, help="write the tables here")
     p.add_argument("--plot", default=None, help="write the PNG plot here")
@@ -72,6 +76,11 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
         "uniform, first 3 full, calibrated, random on the calibrated layers) at equal effective "
         "compression, at each of --ratios",
     )
+    ev.add_argument(
+        "--results",
+        default=None,
+        help="run nothing: write the tables and plot of a JSON file made by --json",
+    )
     ev.set_defaults(func=cmd_eval)
 
     ca = sub.add_parser("calibrate", help="find the layers to keep whole; write a profile")
@@ -96,6 +105,7 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         dtype=args.dtype,
         # calibrate: query-aware, the setting of serving
         query_settings=tuple(getattr(args, "settings", QUERY_AWARE).split(",")),
+        engine_args={"max_num_batched_tokens": args.max_num_batched_tokens},
     )
 
 
@@ -115,6 +125,11 @@ def _samples(args: argparse.Namespace) -> tuple[list[Sample], object]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.results:
+        results = [SampleResult(**d) for d in json.loads(Path(args.results).read_text())]
+        args.json = None  # it is the input
+        _write(args, results, f"{args.model}: accuracy vs compression")
+        return 0
     settings = _settings(args)  # checks --settings before the model loads
     samples, source = _samples(args)
     from sparse_core.cli import parse_full_layers  # sparse_core.cli imports this module

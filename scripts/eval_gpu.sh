@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The full accuracy sweep of docs/accuracy.md on one GPU, in one go:
+#
+#   OUT=DIR bash scripts/eval_gpu.sh      (or: bash scripts/eval_gpu.sh DIR)
+#
+#   grid      dense, snapkv, pyramid, streamingllm, random at 2, 4, 8, 16x, every layer
+#             compressed; query-aware and query-agnostic
+#   profiles  layer profiles at equal effective compression (2x, 4x): uniform, first 3 full,
+#             calibrated, random on the calibrated layers; both settings
+# All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
+# SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
+# eval.log into DIR and prints the summary tables.
+#
+# The machine needs torch, Triton and transformers, nothing from the network. What it lacks is
+# carried in the bundle that scripts/eval_gpu_bundle.sh makes (.bench/eval-bundle); the defaults
+# below read it there:
+#   KVSPARSE_SMOLLM2_GGUF   the GGUF file; when it is missing but its parts (FILE.part-NN) are
+#                           there, they are joined and checked against SHA256SUMS
+#   KVSPARSE_EVAL_DATA      the directory holding lee_background.cor
+#   PYTHONPATH              the bundle's site/ is prepended (the gguf package)
+# Smaller runs (e.g. a check on CPU) through EVAL_LENGTHS, EVAL_SAMPLES, EVAL_TASKS,
+# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
+# EVAL_MAX_NUM_SEQS, EVAL_MAX_NUM_BATCHED_TOKENS; PYTHON picks the interpreter (python3).
+set -euo pipefail
+OUT=${1:-${OUT:-}}
+[ -n "$OUT" ] || { echo "usage: OUT=DIR $0  or  $0 DIR" >&2; exit 2; }
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."  # relative paths below (and in the variables) are from the repository root
+
+BUNDLE=${EVAL_BUNDLE:-.bench/eval-bundle}
+PY=${PYTHON:-python3}
+export KVSPARSE_SMOLLM2_GGUF=${KVSPARSE_SMOLLM2_GGUF:-$BUNDLE/model/SmolLM2-135M-Instruct.Q4_1.gguf}
+export KVSPARSE_EVAL_DATA=${KVSPARSE_EVAL_DATA:-$BUNDLE/data}
+export PYTHONPATH="$BUNDLE/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+LENGTHS=${EVAL_LENGTHS:-1000,2000,4000,8000}
+SAMPLES=${EVAL_SAMPLES:-10}
+TASKS=${EVAL_TASKS:-passkey,niah_single_noise,niah_single_english,niah_multikey,niah_multivalue,variable_tracking,frequent_words}
+POLICIES=${EVAL_POLICIES:-dense,snapkv,pyramid,streamingllm,random}
+RATIOS=${EVAL_RATIOS:-2,4,8,16}
+PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,4}
+DEVICE=${EVAL_DEVICE:-cuda}
+DTYPE=${EVAL_DTYPE:-bfloat16}
+# One engine per (config, length) holds all of that length's prompts in both settings at once
+# (140 at most; dense: all 560), in bfloat16 under 30 GB of KV cache.
+KV_GB=${EVAL_KV_CACHE_GB:-40}
+MAX_SEQS=${EVAL_MAX_NUM_SEQS:-560}
+BATCHED=${EVAL_MAX_NUM_BATCHED_TOKENS:-65536}
+LOG=$OUT/eval.log
+: >"$LOG"
+
+fail() { echo "eval_gpu: $*" >&2; exit 1; }
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
+
+# -- carried files and packages: check everything before the long part ---------------------------
+command -v "$PY" >/dev/null || fail "no $PY; set PYTHON to the interpreter that has torch"
+"$PY" -c "import gguf" ||
+    fail "cannot import gguf (above): run scripts/eval_gpu_bundle.sh and carry $BUNDLE/site, or put gguf on PYTHONPATH"
+gguf_file=$KVSPARSE_SMOLLM2_GGUF
+if [ ! -f "$gguf_file" ]; then
+    parts=("$gguf_file".part-*)
+    [ -f "${parts[0]}" ] ||
+        fail "model file $gguf_file is missing (set KVSPARSE_SMOLLM2_GGUF, or carry $BUNDLE/model)"
+    sums=$(dirname "$gguf_file")/SHA256SUMS
+    [ -f "$sums" ] || fail "$sums is missing: cannot check the joined model parts"
+    log "joining ${#parts[@]} model parts into $gguf_file"
+    cat "${parts[@]}" >"$gguf_file.joining"
+    mv "$gguf_file.joining" "$gguf_file"
+    (cd "$(dirname "$gguf_file")" && sha256sum --quiet -c SHA256SUMS) || {
+        rm -f "$gguf_file"
+        fail "the joined model does not match SHA256SUMS: a part is missing or truncated (${parts[*]})"
+    }
+fi
+[ -f "$KVSPARSE_EVAL_DATA/lee_background.cor" ] ||
+    fail "$KVSPARSE_EVAL_DATA/lee_background.cor is missing (set KVSPARSE_EVAL_DATA, or carry $BUNDLE/data)"
+"$PY" - "$DEVICE" <<'PY' || fail "environment check failed (above)"
+import sys
+
+import torch
+import transformers
+
+from sparse_core.models.loader import builtin_model_path
+
+device = sys.argv[1]
+if device.startswith("cuda") and not torch.cuda.is_available():
+    sys.exit(f"--device {device} but torch {torch.__version__} sees no GPU")
+name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
+print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}")
+print(f"model {builtin_model_path('smollm2-135m-instruct')}")
+PY
+plot=yes
+"$PY" -c "import matplotlib" 2>/dev/null || {
+    plot=
+    log "matplotlib is missing: no PNG here; make them elsewhere from the JSON with" \
+        "kvsparse eval --results OUT/NAME.json --plot NAME.png"
+}
+
+# -- the sweep ------------------------------------------------------------------------------------
+common=(--device "$DEVICE" --dtype "$DTYPE" --tasks "$TASKS" --lengths "$LENGTHS"
+    --samples "$SAMPLES" --settings query-aware,query-agnostic --max-num-seqs "$MAX_SEQS"
+    --kv-cache-memory-gb "$KV_GB" --max-num-batched-tokens "$BATCHED")
+
+run_eval() {
+    local name=$1
+    shift
+    log "$name: kvsparse eval $*"
+    local start=$SECONDS
+    "$PY" -m sparse_core.cli eval "${common[@]}" "$@" --json "$OUT/$name.json" \
+        --markdown "$OUT/$name.md" ${plot:+--plot "$OUT/$name.png"} >>"$LOG" 2> >(tee -a "$LOG" >&2) ||
+        fail "$name failed; see $LOG"
+    log "$name done in $((SECONDS - start)) s"
+}
+
+start=$SECONDS
+run_eval grid --policies "$POLICIES" --ratios "$RATIOS" --full-layers 0
+run_eval profiles --profile-comparison --ratios "$PROFILE_RATIOS"
+
+# -- summary: the first table of each (the two settings side by side) -----------------------------
+for name in grid profiles; do
+    echo
+    echo "== $name ($OUT/$name.md)"
+    awk '/^$/ { exit } { print }' "$OUT/$name.md"
+done | tee -a "$LOG"
+log "sweep done in $((SECONDS - start)) s; files in $OUT: $(cd "$OUT" && echo *)"
