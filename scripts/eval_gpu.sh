@@ -5,8 +5,9 @@
 #
 #   grid      dense, snapkv, pyramid, streamingllm, random at 2, 4, 8, 16x, every layer
 #             compressed; query-aware and query-agnostic
-#   profiles  layer profiles at equal effective compression (2x, 4x): uniform, first 3 full,
-#             calibrated, random on the calibrated layers; both settings
+#   profiles  layer profiles at equal effective compression (2x, 2.5x; keeping the calibrated
+#             10 of 30 layers whole caps it below 3x): uniform, first 3 full, calibrated, random
+#             on the calibrated layers; both settings
 # All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
 # SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
 # eval.log into DIR and prints the summary tables.
@@ -39,7 +40,7 @@ SAMPLES=${EVAL_SAMPLES:-10}
 TASKS=${EVAL_TASKS:-passkey,niah_single_noise,niah_single_english,niah_multikey,niah_multivalue,variable_tracking,frequent_words}
 POLICIES=${EVAL_POLICIES:-dense,snapkv,pyramid,streamingllm,random}
 RATIOS=${EVAL_RATIOS:-2,4,8,16}
-PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,4}
+PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,2.5}
 DEVICE=${EVAL_DEVICE:-cuda}
 DTYPE=${EVAL_DTYPE:-bfloat16}
 # One engine per (config, length) holds all of that length's prompts in both settings at once
