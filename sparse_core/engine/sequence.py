@@ -31,7 +31,8 @@ class Sequence:
     # Per layer group: the blocks holding this sequence's KV and how many tokens they hold.
     block_tables: list[list[int]] = field(default_factory=list)
     kv_lens: list[int] = field(default_factory=list)
-    # Per layer group: tokens kept right after the prompt was prefilled (its compression).
+    # Per layer group: tokens kept for the whole prompt (its compression): those kept by the
+    # prefill, plus any prompt tokens fed one per step after a compressed prefix.
     prompt_kv_lens: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
