@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
+import pytest
+
+from sparse_core.cli import build_parser
 from sparse_core.eval.report import markdown_table, plot, settings_table, summarize
 from sparse_core.eval.runner import SampleResult
 
@@ -58,3 +64,22 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "accuracy.png"
     plot(summarize(RESULTS), str(path), "title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_eval_command_renders_a_results_file(tmp_path, capsys):
+    results = tmp_path / "eval.json"
+    results.write_text(json.dumps([asdict(r) for r in RESULTS]))
+    md, png = tmp_path / "eval.md", tmp_path / "eval.png"
+    args = build_parser().parse_args(
+        ["eval", "--results", str(results), "--markdown", str(md), "--plot", str(png)]
+    )
+    assert args.func(args) == 0
+    assert md.read_text().startswith(settings_table(summarize(RESULTS)))
+    assert png.exists()
+    assert "query-agnostic" in capsys.readouterr().out
+
+
+def test_eval_command_rejects_an_unknown_setting():
+    args = build_parser().parse_args(["eval", "--settings", "query-aware,blind"])
+    with pytest.raises(ValueError, match="query settings must be among"):
+        args.func(args)
