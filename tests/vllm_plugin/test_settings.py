@@ -1,0 +1,61 @@
+"""The plugin's settings and version gate (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_core.config import SparsityConfig
+from sparse_core.vllm_plugin.settings import ENV_VAR, parse_settings, settings_from_vllm_config
+from sparse_core.vllm_plugin.version import check_vllm_version
+
+
+class FakeVllmConfig:
+    def __init__(self, additional_config: dict) -> None:
+        self.additional_config = additional_config
+
+
+def test_no_settings_leave_the_plugin_off(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert settings_from_vllm_config(FakeVllmConfig({})) is None
+
+
+def test_additional_config_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, '{"policy": "streamingllm", "budget": 64}')
+    config = FakeVllmConfig({"kvsparse": {"policy": "snapkv", "budget": 256, "full_layers": [0]}})
+    settings = settings_from_vllm_config(config)
+    assert settings.sparsity == SparsityConfig(policy="snapkv", budget=256, full_layers=[0])
+    assert settings_from_vllm_config(FakeVllmConfig({})).sparsity.policy == "streamingllm"
+
+
+def test_model_name_picks_the_calibrated_profile():
+    settings = parse_settings({"policy": "snapkv", "full_layers": "auto", "model_name": "m"})
+    assert settings.model_name == "m"
+    plan = parse_settings(
+        {"policy": "snapkv", "full_layers": "auto", "model_name": "smollm2-135m-instruct"}
+    ).layer_plan(30, "/any/dir")
+    assert plan.full_layers  # the profile's layers
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ('{"policy": "snapkv", "budgett": 5}', "unknown sparsity option"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a dictionary"),
+        ({"policy": "snapkv", "budget": 8, "window": 32}, "must be greater than window"),
+    ],
+)
+def test_bad_settings_name_the_problem(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_settings(raw)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.1", "0.33.0rc1"])
+def test_supported_vllm_versions(version):
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.24.0", "1.0.0"])
+def test_other_vllm_versions_are_refused_clearly(version):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32 to 0\.33.*" + version):
+        check_vllm_version(version)
