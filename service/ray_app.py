@@ -51,6 +51,7 @@ class RayAppConfig:
     max_inflight_requests: int = 1024  # per ingress replica
     max_request_bytes: int = 4 * 2**20
     log_prompts: bool = False
+    engine_kind: str = "native"  # or "vllm": stock vLLM with kvsparse's plugin
     # Engine deployments (each pool scales on its own).
     min_replicas: int = 1
     max_replicas: int = 1
@@ -106,6 +107,7 @@ class EngineDeployment:
         served_model_name: str,
         pool: str,
         log_prompts: bool,
+        engine_kind: str = "native",
     ) -> None:
         from service.worker import EngineWorker
         from sparse_core.config import EngineConfig, SparsityConfig
@@ -113,7 +115,7 @@ class EngineDeployment:
         replica = serve.get_replica_context().replica_id.unique_id
         recorder = Metrics.ray().recorder(model_name=served_model_name, pool=pool, replica=replica)
         self.worker = EngineWorker.start(
-            EngineConfig(**engine), SparsityConfig(**sparsity), recorder, log_prompts
+            EngineConfig(**engine), SparsityConfig(**sparsity), recorder, log_prompts, engine_kind
         )
         self._metrics_task = asyncio.create_task(self.worker.publish_metrics_forever())
 
@@ -236,7 +238,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         pool = PoolSpec.of(sparsity).name
         engines[pool] = EngineDeployment.options(name=f"KVSparseEngine-{pool}", **options).bind(
             dataclasses.asdict(engine), dataclasses.asdict(sparsity), served_name, pool,
-            cfg.log_prompts,
+            cfg.log_prompts, cfg.engine_kind,
         )  # fmt: skip
     settings = ServerSettings(
         served_model_name=served_name,

@@ -18,6 +18,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
     engine_cli.add_engine_args(parser)
     server = parser.add_argument_group("server")
+    server.add_argument(
+        "--engine",
+        choices=("native", "vllm"),
+        default="native",
+        help="native: our engine; vllm: stock vLLM with kvsparse's plugin (needs vLLM installed)",
+    )
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument(
@@ -87,7 +93,9 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         or 4 * engine_config.max_num_seqs * len(pools),
         max_request_bytes=args.max_request_bytes,
     )
-    app = build_standalone_app(engine_config, pools, settings, log_prompts=args.log_prompts)
+    app = build_standalone_app(
+        engine_config, pools, settings, log_prompts=args.log_prompts, engine=args.engine
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -109,6 +117,7 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         "api_key": args.api_key or None,
         "max_request_bytes": args.max_request_bytes,
         "log_prompts": args.log_prompts,
+        "engine_kind": args.engine,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "target_ongoing_requests": args.target_ongoing_requests,

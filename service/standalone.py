@@ -48,6 +48,7 @@ def build_standalone_app(
     pools: list[SparsityConfig],
     settings: ServerSettings,
     log_prompts: bool = False,
+    engine: str = "native",
 ) -> FastAPI:
     """Load every pool's engine (before the server listens) and wrap them in the app."""
     from prometheus_client import CollectorRegistry
@@ -58,5 +59,5 @@ def build_standalone_app(
     for sparsity in pools:
         name = PoolSpec.of(sparsity).name
         recorder = metrics.recorder(model_name=settings.served_model_name, pool=name)
-        workers[name] = EngineWorker.start(engine_config, sparsity, recorder, log_prompts)
+        workers[name] = EngineWorker.start(engine_config, sparsity, recorder, log_prompts, engine)
     return build_app(LocalBackend(workers), settings, registry)

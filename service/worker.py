@@ -23,12 +23,24 @@ from sparse_core.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+ENGINES = ("native", "vllm")
+
+
 class EngineWorker:
-    def __init__(self, llm: AsyncLLM, metrics: MetricsRecorder, log_prompts: bool = False) -> None:
+    """`llm` is our AsyncLLM (engine "native") or service.vllm_engine.VllmAsyncLLM ("vllm")."""
+
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        config: EngineConfig,
+        metrics: MetricsRecorder,
+        log_prompts: bool = False,
+    ) -> None:
         self.llm = llm
+        self.config = config
         self.metrics = metrics
         self.log_prompts = log_prompts
-        self.max_model_len = llm.engine.config.max_model_len
+        self.max_model_len = config.max_model_len
 
     @classmethod
     def start(
@@ -37,8 +49,17 @@ class EngineWorker:
         sparsity: SparsityConfig,
         metrics: MetricsRecorder,
         log_prompts: bool = False,
+        engine: str = "native",
     ) -> EngineWorker:
-        return cls(AsyncLLM.from_config(engine_config, sparsity), metrics, log_prompts)
+        if engine == "native":
+            llm = AsyncLLM.from_config(engine_config, sparsity)
+        elif engine == "vllm":
+            from service.vllm_engine import VllmAsyncLLM
+
+            llm = VllmAsyncLLM(engine_config, sparsity)
+        else:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+        return cls(llm, engine_config, metrics, log_prompts)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -163,7 +184,7 @@ class EngineWorker:
         free = min(
             (g["free"] / g["total"] for g in stats.kv_blocks.values() if g["total"]), default=1.0
         )
-        max_seqs = self.llm.engine.config.max_num_seqs
+        max_seqs = self.config.max_num_seqs
         per_request = (1.0 - free) / stats.num_running if stats.num_running else 1.0 / max_seqs
         return RoutingStats(free, per_request, stats.num_running, stats.num_waiting, max_seqs)
 

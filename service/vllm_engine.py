@@ -1,0 +1,135 @@
+"""`engine: vllm`: stock vLLM with the kvsparse plugin, behind the interface EngineWorker uses.
+
+It offers what `sparse_core.engine.async_engine.AsyncLLM` offers the worker (`tokenizer`,
+`generate`, `stats`, `is_running`, `shutdown`), so a replica runs either engine. vLLM's own
+`AsyncLLM` does the work; its scheduler statistics reach `stats()` through a stat logger, vLLM's
+seam for them. Requires vLLM in the environment (`pip install 'kvsparse[vllm]'`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.llm_engine import EngineStats
+from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.models.loader import BUILTIN_MODELS
+from sparse_core.models.tokenizer import Tokenizer
+from sparse_core.policy import plan_layers
+
+
+class VllmAsyncLLM:
+    def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from sparse_core.vllm_plugin.engine import plugin_config, vllm_model_path
+
+        self.config = config
+        name = config.model if config.model in BUILTIN_MODELS else Path(config.model).stem
+        path = vllm_model_path(config.model)
+        hf = json.loads((Path(path) / "config.json").read_text())
+        self.num_layers = hf["num_hidden_layers"]
+        self.plan = plan_layers(sparsity, self.num_layers, name)
+        eos = hf.get("eos_token_id")
+        self.tokenizer = Tokenizer.from_hf_dir(
+            Path(path),
+            hf["vocab_size"],
+            hf.get("bos_token_id"),
+            [eos] if isinstance(eos, int) else list(eos or []),
+        )
+        self._stats = EngineStats(0, 0, 0, {})
+        args: dict[str, Any] = {
+            "model": path,
+            "max_model_len": config.max_model_len,
+            "max_num_seqs": config.max_num_seqs,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "enforce_eager": config.enforce_eager,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "seed": config.seed,
+            "additional_config": plugin_config(sparsity, name),
+        }
+        if config.dtype is not None:
+            args["dtype"] = config.dtype
+        if config.kv_cache_memory_gb is not None:
+            args["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+        self._vllm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**args), stat_loggers=[self._stat_logger]
+        )
+
+    def _stat_logger(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from sparse_core.vllm_plugin.stats import StatsSink
+
+        return StatsSink(vllm_config, self._set_stats)
+
+    def _set_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def is_running(self) -> bool:
+        return not self._vllm.errored
+
+    def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Checked now (ValueError), streamed when iterated, like our AsyncLLM."""
+        if getattr(params, "compress_prefix_len", None) is not None:
+            raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
+        return self._stream(list(prompt_ids), _vllm_params(params), request_id)
+
+    async def _stream(
+        self, prompt_ids: list[int], params: Any, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        from vllm import TokensPrompt
+
+        n = len(prompt_ids)
+        kept = {g.name: g.kept_tokens(n) for g in self.plan.groups}
+        ratio = self.num_layers * n / sum(len(g.layers) * kept[g.name] for g in self.plan.groups)
+        finished = False
+        try:
+            async for out in self._vllm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
+            ):
+                completion = out.outputs[0]
+                finished = out.finished
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt=None,
+                    prompt_token_ids=prompt_ids,
+                    token_ids=list(completion.token_ids),
+                    text=completion.text,
+                    finished=finished,
+                    finish_reason=completion.finish_reason if finished else None,
+                    kv_tokens_per_group=kept,
+                    compression_ratio=ratio,
+                )
+        finally:
+            if not finished:  # the consumer went away: free the request's blocks now
+                await self._vllm.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._vllm.shutdown()
+
+
+def _vllm_params(params: SamplingParams) -> Any:
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return VllmSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k or -1,  # ours: 0 = off; vLLM's: -1 (or 0) = off
+        seed=params.seed,
+        stop=list(params.stop),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        output_kind=RequestOutputKind.CUMULATIVE,
+    )

@@ -1,0 +1,40 @@
+"""vLLM scheduler statistics as our `EngineStats`, through vLLM's stat-logger seam."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from sparse_core.engine.llm_engine import EngineStats
+
+
+class StatsSink(StatLoggerBase):
+    """Hands every scheduler update to `publish` as `EngineStats` (KV blocks as one group,
+    "vllm": vLLM pools every KV cache group's blocks together)."""
+
+    def __init__(self, vllm_config: Any, publish: Callable[[EngineStats], None]) -> None:
+        self.vllm_config = vllm_config
+        self.publish = publish
+        self.preemptions = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if iteration_stats is not None:
+            self.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
+        if scheduler_stats is None:
+            return
+        # vLLM's usage leaves out its null block.
+        total = max((self.vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0)
+        used = round(scheduler_stats.kv_cache_usage * total)
+        self.publish(
+            EngineStats(
+                num_running=scheduler_stats.num_running_reqs,
+                num_waiting=scheduler_stats.num_waiting_reqs,
+                num_preemptions=self.preemptions,
+                kv_blocks={"vllm": {"total": total, "used": used, "free": total - used}},
+            )
+        )
+
+    def log_engine_initialized(self) -> None:
+        pass
