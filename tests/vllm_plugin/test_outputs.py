@@ -96,10 +96,10 @@ def test_sparse_groups_free_the_dropped_blocks_while_decoding(prompts, roomy, sp
     assert highest[1] - highest[0] == sparse_groups * freed_per_group
 
 
-def test_sparse_outputs_match_the_native_engine(prompts, stock, sparse):
+def _native(sparsity: SparsityConfig, prompts: list[list[int]]) -> list[list[int]]:
     native = LLM(
         model=MODEL,
-        sparsity=SPARSE,
+        sparsity=sparsity,
         device="cpu",
         dtype="float32",
         max_model_len=MAX_MODEL_LEN,
@@ -107,9 +107,32 @@ def test_sparse_outputs_match_the_native_engine(prompts, stock, sparse):
         kv_cache_memory_gb=0.25,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    expected = [out.token_ids for out in native.generate(prompts, params)]
+    return [out.token_ids for out in native.generate(prompts, params)]
+
+
+def test_sparse_outputs_match_the_native_engine(prompts, stock, sparse):
+    expected = _native(SPARSE, prompts)
     # The budget changes the long prompts' continuations (else this test would prove nothing)...
     assert sparse.token_ids[2:] != stock.token_ids[2:]
     # ...and short prompts, within the budget, decode exactly as dense.
     assert sparse.token_ids[:2] == stock.token_ids[:2]
     assert sparse.token_ids == expected
+
+
+@pytest.mark.parametrize(
+    "sparsity",
+    [
+        # Four budget tiers: vLLM groups layers of equal budget, with padding layers.
+        SparsityConfig(policy="pyramid", budget=128, window=16, sinks=4, full_layers=3),
+        SparsityConfig(policy="streamingllm", budget=96, sinks=4, full_layers=3),
+    ],
+    ids=lambda s: s.policy,
+)
+def test_other_policies_match_the_native_engine(prompts, stock, sparsity):
+    long = prompts[2:]
+    run = _run(sparsity, long)
+    assert len({g[1] for g in run.groups if g[1] is not None}) == (
+        sparsity.pyramid_tiers if sparsity.policy == "pyramid" else 1
+    )
+    assert run.token_ids != stock.token_ids[2:]
+    assert run.token_ids == _native(sparsity, long)
