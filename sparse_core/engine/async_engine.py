@@ -1,7 +1,7 @@
 """`AsyncLLM`: the engine stepping on a background thread, with asyncio streams per request.
 
 All engine state is touched only by the engine thread: requests and aborts reach it through a
-queue, outputs come back to the caller's event loop with `call_soon_threadsafe`.
+queue, and each step's outputs go back to the caller's event loop in one `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -19,6 +20,12 @@ from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.sequence import Sequence
 
+# The engine thread shares the GIL with the event loop that streams responses. Python hands the
+# GIL to a waiting thread only every switch interval (5 ms by default, as long as half a decode
+# step): the engine thread, back from the GPU, would leave the GPU idle that long while the loop
+# formats responses.
+ENGINE_SWITCH_INTERVAL_S = 0.0005
+
 
 class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
@@ -28,6 +35,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stats = engine.stats()
         self._stopped = threading.Event()
+        sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._loop, name="kvsparse-engine", daemon=True)
         self._thread.start()
 
@@ -73,6 +81,9 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.get()
+                # Outputs are cumulative: a consumer that fell behind gets only the newest.
+                while not isinstance(item, BaseException) and not stream.empty():
+                    item = stream.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -114,8 +125,7 @@ class AsyncLLM:
                     self._publish_error(request_id, exc)
                 outputs = []
             self._stats = engine.stats()
-            for out in outputs:
-                self._publish(out.request_id, out)
+            self._publish_all([(out.request_id, out) for out in outputs])
 
     def _handle(self, command: tuple[str, Any] | None) -> None:
         if command is None:
@@ -131,10 +141,23 @@ class AsyncLLM:
                 self._publish(arg, out)
 
     def _publish(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+        self._publish_all([(request_id, item)])
+
+    def _publish_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """One wake-up per event loop for a whole step's outputs, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                loop, stream = target
+                by_loop.setdefault(loop, []).append((stream, item))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
 
     def _publish_error(self, request_id: str, exc: BaseException) -> None:
         self._publish(request_id, RuntimeError(f"engine step failed: {exc}"))
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for stream, item in deliveries:
+        stream.put_nowait(item)

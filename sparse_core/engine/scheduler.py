@@ -20,6 +20,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._decode_due = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -29,10 +30,19 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step and whether it is a prefill step."""
-        admitted = self._admit()
-        if admitted:
-            return admitted, True
+        """The sequences of the next step and whether it is a prefill step.
+
+        Prompts are admitted as soon as they fit, but never in two steps back to back while
+        sequences are running: a decode step goes between. During a burst of arrivals the
+        running sequences keep making progress, so they finish (and their clients come back)
+        spread out over time instead of all at once, which keeps later time-to-first-token low.
+        """
+        if not self._decode_due:
+            admitted = self._admit()
+            if admitted:
+                self._decode_due = True
+                return admitted, True
+        self._decode_due = False
         return self._prepare_decode(), False
 
     def _admit(self) -> list[Sequence]:
