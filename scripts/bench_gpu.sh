@@ -86,8 +86,9 @@ step_vllm-cap24() {
     python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>&1 | tee "$OUT/vllm_cap24.log" \
         | tail -1 >"$OUT/vllm_cap24.json"
     cat "$OUT/vllm_cap24.json"
+    # Its engine logs its shutdown after the JSON line.
     LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
-        | tail -1 >"$OUT/vllm_sweep.json"
+        | grep '^{"vllm_ttft_sweep"' >"$OUT/vllm_sweep.json"
     cat "$OUT/vllm_sweep.json"
 }
 
