@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.models.loader import ModelSource, load_model_source
 
 BUDGET, WINDOW = 64, 16
 
 
-def question_prompt(llm: LLM) -> list[int]:
-    facts = " ".join(f"Fact {i}: item {i} weighs {i * 7 % 100} grams." for i in range(30))
+def question_prompt(llm: LLM, num_facts: int = 30) -> list[int]:
+    facts = " ".join(f"Fact {i}: item {i} weighs {i * 7 % 100} grams." for i in range(num_facts))
     content = facts + " How much does item 12 weigh?"
     return llm.tokenizer.encode_chat([{"role": "user", "content": content}])
 
@@ -24,7 +25,7 @@ def params(prefix: int | None = None, **kwargs) -> SamplingParams:
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 3}])
 def test_dense_output_does_not_depend_on_the_split(dense_llm, sampling):
-    prompt = question_prompt(dense_llm)
+    prompt = question_prompt(dense_llm, num_facts=15)  # short: a split at 1 feeds all but one
     n = len(prompt)
     splits = [None, 1, n // 2, n - 1, n]
     outs = dense_llm.generate([prompt] * len(splits), [params(p, **sampling) for p in splits])
@@ -36,9 +37,23 @@ def test_dense_output_does_not_depend_on_the_split(dense_llm, sampling):
 
 
 @pytest.fixture(scope="module")
-def snapkv() -> LLM:
-    sparsity = SparsityConfig(policy="snapkv", budget=BUDGET, window=WINDOW, full_layers=[0, 1])
-    return LLM(sparsity=sparsity, max_model_len=2048, kv_cache_memory_gb=0.3)
+def source() -> ModelSource:
+    """The built-in model's weights, read once for the engines of this file."""
+    return load_model_source("smollm2-135m-instruct")
+
+
+def sparse_llm(source: ModelSource, **sparsity: object) -> LLM:
+    return LLM(
+        sparsity=SparsityConfig(**sparsity),
+        model_source=source,
+        max_model_len=2048,
+        kv_cache_memory_gb=0.3,
+    )
+
+
+@pytest.fixture(scope="module")
+def snapkv(source) -> LLM:
+    return sparse_llm(source, policy="snapkv", budget=BUDGET, window=WINDOW, full_layers=[0, 1])
 
 
 def test_only_the_prefix_is_compressed(snapkv):
@@ -56,11 +71,10 @@ def test_only_the_prefix_is_compressed(snapkv):
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "pyramid", "streamingllm", "random"])
-def test_a_prefix_within_the_budget_reproduces_dense(dense_llm, policy):
+def test_a_prefix_within_the_budget_reproduces_dense(dense_llm, source, policy):
     prompt = question_prompt(dense_llm)
     expected = dense_llm.generate([prompt], params())[0].token_ids
-    sparsity = SparsityConfig(policy=policy, budget=len(prompt), window=WINDOW, full_layers=1)
-    llm = LLM(sparsity=sparsity, max_model_len=2048, kv_cache_memory_gb=0.3)
+    llm = sparse_llm(source, policy=policy, budget=len(prompt), window=WINDOW, full_layers=1)
     assert llm.generate([prompt], params(len(prompt) // 2))[0].token_ids == expected
 
 
