@@ -2,6 +2,7 @@
 concurrency. A stock vLLM sweep (the JSON line its peer `sweep.py` prints last) can go beside them.
 
 python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...] [--vllm-sweep SWEEP.json]
+    [--labels "A,B,..."]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("reports", nargs="+")
     parser.add_argument("--vllm-sweep", default=None)
+    parser.add_argument("--labels", default=None, help="comma-separated, one per report")
     parser.add_argument("--title", default="")
     args = parser.parse_args()
 
@@ -37,6 +39,11 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     runs = [load_report(path) for path in args.reports]
+    if args.labels:
+        labels = args.labels.split(",")
+        if len(labels) != len(runs):
+            parser.error(f"--labels has {len(labels)} names for {len(runs)} reports")
+        runs = [(label, levels) for label, (_, levels) in zip(labels, runs, strict=True)]
     if args.vllm_sweep:
         runs.insert(0, load_vllm_sweep(args.vllm_sweep))
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.4))
