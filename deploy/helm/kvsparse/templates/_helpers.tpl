@@ -46,6 +46,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.pools }}
 {{- $_ := set $args "pools" .Values.pools -}}
 {{- end }}
+{{- if ne .Values.engineKind "native" }}
+{{- $_ := set $args "engine_kind" .Values.engineKind -}}
+{{- end }}
 {{- if not (kindIs "invalid" .Values.serve.maxOngoingRequests) }}
 {{- $_ := set $args "max_ongoing_requests" (int .Values.serve.maxOngoingRequests) -}}
 {{- end }}
