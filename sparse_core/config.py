@@ -99,7 +99,8 @@ class EngineConfig:
       GPU under `gpu_memory_utilization` (and `gpu_memory_limit_gb`) after weights, activations
       and CUDA graphs; 2 GiB on CPU.
     gpu_memory_limit_gb: a hard cap on the engine's GPU memory in GiB, e.g. 24 to make a large
-      GPU stand in for an RTX 4090.
+      GPU stand in for an RTX 4090. Memory that other processes hold on the same GPU when the
+      engine starts counts against it, as it would on the smaller card.
     expected_input_len / expected_output_len: the typical request, used to split KV memory
       between layer groups so that every group runs out at the same number of sequences.
     max_num_batched_tokens: tokens per prefill step; prompts are prefilled whole, so it is at
