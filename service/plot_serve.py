@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from sparse_core.plotting import pyplot, save
+
 
 def load_report(path: str) -> tuple[str, list[dict]]:
     with open(path) as f:
@@ -33,11 +35,7 @@ def main() -> None:
     parser.add_argument("--title", default="")
     args = parser.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     runs = [load_report(path) for path in args.reports]
     if args.labels:
         labels = args.labels.split(",")
@@ -60,10 +58,7 @@ def main() -> None:
         ax.set_xlabel("concurrent clients")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if args.title:
-        fig.suptitle(args.title)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    save(fig, args.out, dpi=110, title=args.title)
 
 
 if __name__ == "__main__":

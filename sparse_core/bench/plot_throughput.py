@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from sparse_core.plotting import pyplot, save
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -18,11 +20,7 @@ def main() -> None:
     parser.add_argument("--title", default="")
     args = parser.parse_args()
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     with open(args.results) as f:
         runs = json.load(f)["results"]
     fig, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4.4))
@@ -50,10 +48,7 @@ def main() -> None:
     bars.set_ylabel("output tokens/s")
     bars.set_title("End to end")
     bars.tick_params(axis="x", labelsize=8)
-    if args.title:
-        fig.suptitle(args.title)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    save(fig, args.out, dpi=110, title=args.title)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sparse_core.eval.runner import EvalConfig, RunSettings, SampleResult, run_suite
 from sparse_core.eval.tasks import Sample
 from sparse_core.models.loader import ModelSource
+from sparse_core.plotting import pyplot, save
 
 
 @dataclass
@@ -97,11 +98,7 @@ def _span(layers: list[int]) -> str:
 
 
 def plot_sensitivity(sensitivities: list[BandSensitivity], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [_span(b.layers) for b in sensitivities]
     x = range(len(names))
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -111,6 +108,4 @@ def plot_sensitivity(sensitivities: list[BandSensitivity], path: str, title: str
     ax.set_ylabel("accuracy points")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from statistics import mean
 
 from sparse_core.eval.runner import SampleResult
+from sparse_core.plotting import pyplot, save
 
 
 @dataclass
@@ -86,11 +87,7 @@ def settings_table(rows: list[Row]) -> str:
 def plot(rows: list[Row], path: str, title: str) -> None:
     """Accuracy against effective compression, one line per policy (the part before '@'), one
     panel per query setting."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     settings = settings_of(rows)
     fig, axes = plt.subplots(
         1, len(settings), figsize=(7 * len(settings), 4.5), sharey=True, squeeze=False
@@ -118,7 +115,4 @@ def plot(rows: list[Row], path: str, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     axes[0][0].set_ylabel("accuracy (%)")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120, title=title)
