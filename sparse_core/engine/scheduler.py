@@ -37,7 +37,7 @@ class Scheduler:
         running sequences keep making progress, so they finish (and their clients come back)
         spread out over time instead of all at once, which keeps later time-to-first-token low.
         """
-        if not self._decode_due:
+        if not (self._decode_due and self.running):
             admitted = self._admit()
             if admitted:
                 self._decode_due = True
