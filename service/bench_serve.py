@@ -25,6 +25,7 @@ class RequestResult:
     e2e_s: float
     output_tokens: int
     prompt_tokens: int
+    round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class LevelResult:
     tpot_p50_s: float
     tpot_p99_s: float
     e2e_p50_s: float
+    # TTFT p50 of each round: the first round arrives at once, later ones as requests finish.
+    ttft_p50_by_round_s: list[float]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,7 +95,9 @@ async def run_level(
         for k in range(per_client):
             try:
                 prompt = prompts[index * per_client + k]
-                results.append(await one_request(client, model, prompt, args.output_len))
+                result = await one_request(client, model, prompt, args.output_len)
+                result.round = k
+                results.append(result)
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -118,6 +123,10 @@ async def run_level(
         tpot_p50_s=round(percentile(tpots, 50), 5),
         tpot_p99_s=round(percentile(tpots, 99), 5),
         e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
+        ttft_p50_by_round_s=[
+            round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
+            for k in range(per_client)
+        ],
     )
 
 
@@ -151,14 +160,16 @@ async def run(args: argparse.Namespace) -> dict:
 
 def table(report: dict) -> str:
     rows = [
-        "| concurrency | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 |",
-        "|---|---|---|---|---|---|---|",
+        "| concurrency | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
+        "| TTFT p50 per round |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for lv in report["levels"]:
         rows.append(
             f"| {lv['concurrency']} | {lv['requests']} | {lv['output_tok_per_s']:,.0f} | "
             f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
-            f"{lv['tpot_p50_s'] * 1000:.1f} ms |"
+            f"{lv['tpot_p50_s'] * 1000:.1f} ms | "
+            f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s'])} s |"
         )
     return "\n".join(rows)
 

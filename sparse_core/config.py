@@ -103,8 +103,9 @@ class EngineConfig:
       engine starts counts against it, as it would on the smaller card.
     expected_input_len / expected_output_len: the typical request, used to split KV memory
       between layer groups so that every group runs out at the same number of sequences.
-    max_num_batched_tokens: tokens per prefill step; prompts are prefilled whole, so it is at
-      least max_model_len.
+    max_num_batched_tokens: prompt tokens prefilled per step (the running sequences' decode
+      tokens join them in the same forward pass); prompts are prefilled whole, so it is at least
+      max_model_len.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.

@@ -51,19 +51,47 @@ def long_prompt(llm: LLM, num_facts: int = 60) -> str:
     return chat_prompt(llm, facts + " Summarise the facts above in one sentence.")
 
 
-def test_batching_does_not_change_greedy_tokens_with_compression():
-    llm = LLM(
+@pytest.fixture(scope="module")
+def compressing_llm() -> LLM:
+    return LLM(
         sparsity=SparsityConfig(policy="snapkv", budget=96, window=16, full_layers=2),
         max_model_len=4096,
         kv_cache_memory_gb=0.5,
     )
+
+
+COMPRESSED_GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+def test_batching_does_not_change_greedy_tokens_with_compression(compressing_llm):
+    llm = compressing_llm
     prompts = [long_prompt(llm, 40), long_prompt(llm, 55), *PROMPTS]
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
-    together = llm.generate(prompts, params)
+    together = llm.generate(prompts, COMPRESSED_GREEDY)
     assert together[0].kv_tokens_per_group["budget96"] == 96  # really compressed
     for prompt, batched in zip(prompts, together, strict=True):
-        alone = llm.generate([prompt], params)[0]
+        alone = llm.generate([prompt], COMPRESSED_GREEDY)[0]
         assert alone.token_ids == batched.token_ids
+
+
+def test_prompts_joining_running_decodes_do_not_change_greedy_tokens(compressing_llm):
+    """One prompt arrives per step, so each is prefilled in the same forward pass as the decode
+    tokens of the sequences already running (a mixed step)."""
+    llm, engine = compressing_llm, compressing_llm.engine
+    prompts = [long_prompt(llm, 40), PROMPTS[0], long_prompt(llm, 55), PROMPTS[1]]
+    engine.step_records = []
+    finished = {}
+    for i, prompt in enumerate([*prompts, None, None]):
+        if prompt is not None:
+            engine.add_request(str(i), prompt, COMPRESSED_GREEDY)
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    mixed = [r for r in engine.step_records if r.num_prefill_seqs and r.num_decode_seqs]
+    engine.step_records = None
+    assert len(mixed) == len(prompts) - 1
+    assert finished["2"].kv_tokens_per_group["budget96"] == 96
+    for i, prompt in enumerate(prompts):
+        assert finished[str(i)].token_ids == llm.generate([prompt], COMPRESSED_GREEDY)[0].token_ids
 
 
 def test_compressed_output_reports_its_compression(dense_llm):

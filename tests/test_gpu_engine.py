@@ -36,7 +36,16 @@ def generate(monkeypatch, reference: bool, enforce_eager: bool) -> list[list[int
         enforce_eager=enforce_eager,
     )
     prompts = [[(i * 131 + j * 7) % 49152 for j in range(300 + 97 * i)] for i in range(5)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    # Two prompts at once, then one per step: prefills alone and mixed with running decodes.
+    engine, finished = llm.engine, {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        if i > 0:
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    while engine.has_unfinished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    outs = [finished[str(i)] for i in range(len(prompts))]
     assert outs[-1].kv_tokens_per_group["budget256"] == 256  # compression happened
     return [o.token_ids for o in outs]
 

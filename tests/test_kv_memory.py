@@ -28,8 +28,8 @@ def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, d
     rng = random.Random(0)
     for i in range(num_prompts):
         prompt = [rng.randrange(1, 500) for _ in range(PROMPT_LEN)]
-        # Long enough that no sequence finishes while the others are still being admitted (a
-        # decode step runs between admissions).
+        # Long enough that no sequence finishes while the others are still being admitted
+        # (every step decodes the running sequences while it prefills the next prompts).
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
     peak, peak_blocks = 0, {}
     while engine.has_unfinished:

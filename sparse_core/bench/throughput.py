@@ -40,7 +40,9 @@ class RunResult:
     num_preemptions: int
     kv_blocks: dict[str, int]  # blocks per layer group
     kv_cache_gib: float
-    prefill_s_per_4k_tokens: float
+    prefill_s_per_4k_tokens: float  # steps with a prefill, their decode rows included
+    # Wall time in steps with a prefill, in decode-only steps, and between steps (host work).
+    time_split_s: dict[str, float] = field(default_factory=dict)
     decode_by_batch: list[dict] = field(default_factory=list)
 
 
@@ -70,7 +72,7 @@ def decode_table(
     by_batch: dict[int, list[StepRecord]] = {}
     for r in records:
         if not r.is_prefill:
-            by_batch.setdefault(r.num_seqs, []).append(r)
+            by_batch.setdefault(r.num_decode_seqs, []).append(r)
     rows = []
     for batch in sorted(by_batch):
         steps = by_batch[batch]
@@ -126,6 +128,8 @@ def run_one(
     runner = engine.runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     prefill = [r for r in engine.step_records if r.is_prefill]
+    prefill_s = sum(r.seconds for r in prefill)
+    decode_s = sum(r.seconds for r in engine.step_records) - prefill_s
     stats = engine.stats()
     result = RunResult(
         label=label,
@@ -151,8 +155,13 @@ def run_one(
             2,
         ),
         prefill_s_per_4k_tokens=round(
-            4000 * sum(r.seconds for r in prefill) / max(1, sum(r.num_tokens for r in prefill)), 4
+            4000 * prefill_s / max(1, sum(r.num_prefill_tokens for r in prefill)), 4
         ),
+        time_split_s={
+            "prefill_steps": round(prefill_s, 2),
+            "decode_steps": round(decode_s, 2),
+            "between_steps": round(elapsed - prefill_s - decode_s, 2),
+        },
         decode_by_batch=decode_table(
             engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
         ),
@@ -177,6 +186,7 @@ def print_table(results: list[RunResult]) -> None:
     head = (
         f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
         f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'prefill/4k':>11}"
+        f"{'s in prefill/decode/between steps':>36}"
     )
     print(head)
     for r in results:
@@ -184,6 +194,7 @@ def print_table(results: list[RunResult]) -> None:
             f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
             f"{r.kv_cache_gib:>7.1f}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
+            f"{'/'.join(f'{t:.1f}' for t in r.time_split_s.values()):>36}"
         )
 
 

@@ -1,7 +1,7 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
-A decode step of a 32-layer model launches hundreds of small kernels; replaying a captured graph
-removes their launch cost. Everything a step reads lives in static buffers: token ids, positions,
+Steps that only decode (no prompt joins them) replay a graph. A decode step of a 32-layer model
+launches hundreds of small kernels; replaying a captured graph removes their launch cost. Everything a step reads lives in static buffers: token ids, positions,
 and for every layer group its slot mapping, block tables and context lengths. A batch runs in the
 smallest bucket that holds it; padding rows write nowhere (slot -1) and attend to one token.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_core.models.attention import GroupStepMetadata, StepMetadata
+from sparse_core.models.attention import DecodeGroupMetadata, DecodeMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
 
 
@@ -57,7 +57,7 @@ class DecodeGraphs:
 
     def _meta(self, batch: int) -> StepMetadata:
         groups = [
-            GroupStepMetadata(
+            DecodeGroupMetadata(
                 slot_mapping=self.slots[g, :batch],
                 block_tables=self.tables[g, :batch],
                 context_lens=self.lens[g, :batch],
@@ -65,7 +65,7 @@ class DecodeGraphs:
             )
             for g in range(self.slots.shape[0])
         ]
-        return StepMetadata(is_prefill=False, groups=groups)
+        return StepMetadata(decode=DecodeMetadata(groups))
 
     def _forward(self, batch: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))

@@ -18,7 +18,7 @@ from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.scheduler import Scheduler
+from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.policy import plan_layers
@@ -34,11 +34,16 @@ CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 class StepRecord:
     """One step, for benchmarks: what ran and how long it took (wall clock, device included)."""
 
-    is_prefill: bool
-    num_seqs: int
-    num_tokens: int  # tokens fed to the model
-    kv_token_layers: int  # cached token-layers attention read (decode) or wrote (prefill)
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    kv_token_layers: int  # cached token-layers the decode rows' attention read
     seconds: float
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether prompts were prefilled (decode rows may have joined them)."""
+        return self.num_prefill_seqs > 0
 
 
 @dataclass
@@ -207,18 +212,19 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode step; returns the outputs of every sequence in it that
-        produced a token (not those fed a forced prompt token)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
+        """Run one step (prefill of admitted prompts and a token for every running sequence);
+        returns the outputs of every sequence in it that produced a token (not those fed a forced
+        prompt token)."""
+        step = self.scheduler.schedule()
+        if not step:
             return []
         start = time.monotonic()
-        tokens = self.runner.run(seqs, is_prefill, self.block_manager)  # host ints: device done
+        tokens = self.runner.run(step, self.block_manager)  # host ints: device done
         now = time.monotonic()
         if self.step_records is not None:
-            self.step_records.append(self._step_record(seqs, is_prefill, now - start))
+            self.step_records.append(self._step_record(step, now - start))
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, is_prefill, token in zip(step.seqs, step.is_prefill_row, tokens, strict=True):
             seq.num_computed_tokens += seq.num_new_tokens(is_prefill)
             if token is None:
                 continue
@@ -233,14 +239,14 @@ class LLMEngine:
                 outputs.append(self._output(seq))
         return outputs
 
-    def _step_record(self, seqs: list[Sequence], is_prefill: bool, seconds: float) -> StepRecord:
+    def _step_record(self, step: ScheduledStep, seconds: float) -> StepRecord:
         layers = [len(g.layers) for g in self.plan.groups]
         return StepRecord(
-            is_prefill=is_prefill,
-            num_seqs=len(seqs),
-            num_tokens=sum(s.num_new_tokens(is_prefill) for s in seqs),
+            num_prefill_seqs=len(step.prefills),
+            num_prefill_tokens=sum(s.num_prefill_tokens for s in step.prefills),
+            num_decode_seqs=len(step.decodes),
             kv_token_layers=sum(
-                n * kv for seq in seqs for n, kv in zip(layers, seq.kv_lens, strict=True)
+                n * kv for seq in step.decodes for n, kv in zip(layers, seq.kv_lens, strict=True)
             ),
             seconds=seconds,
         )

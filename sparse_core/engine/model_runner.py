@@ -1,8 +1,8 @@
 """Owns the model and the KV caches; turns a scheduled batch into tensors, runs it, samples.
 
 Under tensor parallelism every rank has a ModelRunner over its share of the model. Rank 0's
-prepares each step's host-side inputs (a PrefillBatch or DecodeBatch), hands them to the worker
-ranks, and every rank runs `execute`; only rank 0 samples.
+prepares each step's host-side inputs (a StepBatch), hands them to the worker ranks, and every
+rank runs `execute`; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -17,9 +17,17 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.sampler import sample
+from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
 from sparse_core.kernels import get_ops
-from sparse_core.models.attention import CompressJobs, GroupStepMetadata, StepMetadata
+from sparse_core.models.attention import (
+    CompressJobs,
+    DecodeGroupMetadata,
+    DecodeMetadata,
+    PrefillGroupMetadata,
+    PrefillMetadata,
+    StepMetadata,
+)
 from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
@@ -51,7 +59,7 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 @dataclass
 class PrefillBatch:
-    """Host-side description of a prefill step (what rank 0 sends to the other ranks)."""
+    """Host-side description of a step's prefill part."""
 
     input_ids: list[int]
     positions: list[int]
@@ -60,6 +68,14 @@ class PrefillBatch:
     slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
     compress_bounds: list[list[tuple[int, int]]]  # per group: prompts it stores compressed
     compress_slots: list[list[int]]  # per group: where those prompts' kept tokens go
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one step (what rank 0 sends to the other ranks)."""
+
+    prefill: PrefillBatch | None
+    decode: DecodeBatch | None
 
 
 class ModelRunner:
@@ -133,27 +149,48 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
-    def run(
-        self, seqs: list[Sequence], is_prefill: bool, block_manager: BlockManager
-    ) -> list[int | None]:
-        """The next token of every sequence; None where the step fed a forced token."""
-        if is_prefill:
-            step: PrefillBatch | DecodeBatch = self._prepare_prefill(seqs)
-        else:
-            step = self._prepare_decode(seqs, block_manager)
-        wanted = [seq.samples_next_token(is_prefill) for seq in seqs]
-        return sample(self.execute(step), seqs, self.generator, wanted)
+    def run(self, step: ScheduledStep, block_manager: BlockManager) -> list[int | None]:
+        """The next token of every sequence of the step, in `step.seqs` order; None where the
+        step fed a forced token."""
+        batch = StepBatch(
+            self._prepare_prefill(step.prefills) if step.prefills else None,
+            self._prepare_decode(step.decodes, block_manager) if step.decodes else None,
+        )
+        wanted = [
+            seq.samples_next_token(is_prefill)
+            for seq, is_prefill in zip(step.seqs, step.is_prefill_row, strict=True)
+        ]
+        return sample(self.execute(batch), step.seqs, self.generator, wanted)
 
     @torch.inference_mode()
-    def execute(self, step: PrefillBatch | DecodeBatch) -> torch.Tensor:
-        """Every rank's part of a step: the forward pass; logits [B, V] (full vocabulary)."""
-        self._on_workers("execute", step)
-        if isinstance(step, PrefillBatch):
-            input_ids, positions, meta, last = self._prefill_tensors(step)
-            return self.model.compute_logits(self.model(input_ids, positions, meta)[last])
-        if self.graphs is not None:
-            return self.graphs.run(step)
-        return self._run_decode_eager(step)
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Every rank's part of a step: the forward pass; logits [B, V] (full vocabulary), the
+        prompts' last tokens first, then the decoded tokens."""
+        self._on_workers("execute", batch)
+        if batch.prefill is None and self.graphs is not None:
+            return self.graphs.run(batch.decode)
+        return self._forward(batch)
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        rows: list[int] = []
+        prefill = decode = None
+        if batch.prefill is not None:
+            input_ids += batch.prefill.input_ids
+            positions += batch.prefill.positions
+            rows += [end - 1 for end in batch.prefill.cu_seqlens[1:]]
+            prefill = self._prefill_metadata(batch.prefill)
+        if batch.decode is not None:
+            rows += range(len(input_ids), len(input_ids) + len(batch.decode.input_ids))
+            input_ids += batch.decode.input_ids
+            positions += batch.decode.positions
+            decode = self._decode_metadata(batch.decode)
+        meta = StepMetadata(prefill, decode)
+        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        if batch.prefill is not None:  # a decode-only step's rows are all its tokens
+            hidden = hidden[self._tensor(rows)]
+        return self.model.compute_logits(hidden)
 
     def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
         table, bs = seq.block_tables[group], self.block_size
@@ -196,26 +233,24 @@ class ModelRunner:
             compress_slots,
         )
 
-    def _prefill_tensors(self, step: PrefillBatch):
+    def _prefill_metadata(self, batch: PrefillBatch) -> PrefillMetadata:
         groups = [
-            GroupStepMetadata(
+            PrefillGroupMetadata(
                 slot_mapping=self._tensor(slots),
                 compress=CompressJobs(
                     PromptBatch.from_bounds(bounds, self.device), self._tensor(kept_slots)
                 ),
             )
             for slots, bounds, kept_slots in zip(
-                step.slot_mappings, step.compress_bounds, step.compress_slots, strict=True
+                batch.slot_mappings, batch.compress_bounds, batch.compress_slots, strict=True
             )
         ]
-        meta = StepMetadata(
-            is_prefill=True,
+        return PrefillMetadata(
+            num_tokens=len(batch.input_ids),
+            cu_seqlens=self._tensor(batch.cu_seqlens),
+            max_seqlen=batch.max_seqlen,
             groups=groups,
-            cu_seqlens=self._tensor(step.cu_seqlens),
-            max_seqlen=step.max_seqlen,
         )
-        last = self._tensor([end - 1 for end in step.cu_seqlens[1:]])
-        return self._tensor(step.input_ids), self._tensor(step.positions), meta, last
 
     def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
         num_groups = len(self.plan.groups)
@@ -227,22 +262,20 @@ class ModelRunner:
             context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
         )
 
-    def _run_decode_eager(self, step: DecodeBatch) -> torch.Tensor:
-        groups = []
-        for slots, tables, lens in zip(
-            step.slots, step.block_tables, step.context_lens, strict=True
-        ):
-            groups.append(
-                GroupStepMetadata(
+    def _decode_metadata(self, batch: DecodeBatch) -> DecodeMetadata:
+        return DecodeMetadata(
+            [
+                DecodeGroupMetadata(
                     slot_mapping=self._tensor(slots),
                     block_tables=tables.to(self.device),
                     context_lens=self._tensor(lens),
                     max_context_len=max(lens),
                 )
-            )
-        meta = StepMetadata(is_prefill=False, groups=groups)
-        hidden = self.model(self._tensor(step.input_ids), self._tensor(step.positions), meta)
-        return self.model.compute_logits(hidden)
+                for slots, tables, lens in zip(
+                    batch.slots, batch.block_tables, batch.context_lens, strict=True
+                )
+            ]
+        )
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -251,13 +284,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_activation_bytes(self) -> int:
-        """Peak memory a maximal prefill step needs above what is allocated now (CUDA only).
+        """Peak memory the largest step needs above what is allocated now (CUDA only).
 
-        Runs max_num_batched_tokens of prompts of max_model_len tokens through the model with
-        every slot at -1, so nothing is cached; the caches are placeholders of one block.
+        Runs max_num_batched_tokens of prompts of max_model_len tokens together with
+        max_num_seqs decoding rows, every slot at -1 so nothing is cached; the caches are
+        placeholders of one block.
         """
         self._on_workers("profile_activation_bytes")
-        cfg = self.model.config
+        cfg, config = self.model.config, self.config
         placeholder = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, cfg.head_dim),
             dtype=self.dtype,
@@ -265,27 +299,34 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers:
             attn.k_cache, attn.v_cache = placeholder[0], placeholder[1]
-        total = self.config.max_num_batched_tokens
-        lens = [self.config.max_model_len] * (total // self.config.max_model_len)
-        if total % self.config.max_model_len:
-            lens.append(total % self.config.max_model_len)
+        total = config.max_num_batched_tokens
+        lens = [config.max_model_len] * (total // config.max_model_len)
+        if total % config.max_model_len:
+            lens.append(total % config.max_model_len)
         cu_seqlens = [0]
         for n in lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
-        slots = self._tensor([-1] * total)
-        meta = StepMetadata(
-            is_prefill=True,
-            groups=[GroupStepMetadata(slot_mapping=slots) for _ in self.plan.groups],
-            cu_seqlens=self._tensor(cu_seqlens),
+        num_groups, rows = len(self.plan.groups), config.max_num_seqs
+        prefill = PrefillBatch(
+            input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
+            positions=[p for n in lens for p in range(n)],
+            cu_seqlens=cu_seqlens,
             max_seqlen=max(lens),
+            slot_mappings=[[-1] * total for _ in range(num_groups)],
+            compress_bounds=[[] for _ in range(num_groups)],
+            compress_slots=[[] for _ in range(num_groups)],
         )
-        ids = torch.randint(0, cfg.vocab_size, (total,), device=self.device)
-        positions = self._tensor([p for n in lens for p in range(n)])
+        decode = DecodeBatch(
+            input_ids=[0] * rows,
+            positions=[0] * rows,
+            slots=[[-1] * rows for _ in range(num_groups)],
+            block_tables=[torch.zeros((rows, 1), dtype=torch.int32) for _ in range(num_groups)],
+            context_lens=[[1] * rows for _ in range(num_groups)],
+        )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(ids, positions, meta)
-        self.model.compute_logits(hidden[self._tensor([c - 1 for c in cu_seqlens[1:]])])
+        self._forward(StepBatch(prefill, decode))
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - before
 

@@ -1,15 +1,34 @@
-"""Continuous batching: each step is either a prefill of newly admitted prompts or one decode
-token for every running sequence (a generated one, or a prompt token fed after a compressed
-prefix). A prompt is admitted only when every layer group has room for
-it; when a group runs out during decode, the newest sequence is preempted and recomputed later."""
+"""Continuous batching: every step feeds one token to each running sequence (a generated one, or
+a prompt token fed after a compressed prefix) and, in the same forward pass, prefills the prompts
+admitted for it. A prompt is admitted only when every layer group has room for it; when a group
+runs out during decode, the newest sequence is preempted and recomputed later."""
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig
 from sparse_core.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledStep:
+    prefills: list[Sequence]  # admitted for this step: prefilled whole (or their prefix)
+    decodes: list[Sequence]  # already running: one token each
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """In the order of the step's rows: the prefills, then the decodes."""
+        return self.prefills + self.decodes
+
+    @property
+    def is_prefill_row(self) -> list[bool]:
+        return [True] * len(self.prefills) + [False] * len(self.decodes)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefills or self.decodes)
 
 
 class Scheduler:
@@ -20,7 +39,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self._decode_due = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -29,21 +47,17 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step and whether it is a prefill step.
+    def schedule(self) -> ScheduledStep:
+        """The next step: a token for every running sequence, and the prompts that fit.
 
-        Prompts are admitted as soon as they fit, but never in two steps back to back while
-        sequences are running: a decode step goes between. During a burst of arrivals the
-        running sequences keep making progress, so they finish (and their clients come back)
-        spread out over time instead of all at once, which keeps later time-to-first-token low.
+        Decoding sequences ride along with the prefill in one forward pass, so a burst of
+        arrivals never stops them. A step that had to preempt admits nothing: the cache is full,
+        and a new prompt would only be preempted in turn.
         """
-        if not (self._decode_due and self.running):
-            admitted = self._admit()
-            if admitted:
-                self._decode_due = True
-                return admitted, True
-        self._decode_due = False
-        return self._prepare_decode(), False
+        preemptions = self.num_preemptions
+        decodes = self._prepare_decode()
+        prefills = self._admit() if self.num_preemptions == preemptions else []
+        return ScheduledStep(prefills, decodes)
 
     def _admit(self) -> list[Sequence]:
         admitted: list[Sequence] = []

@@ -24,29 +24,46 @@ class CompressJobs:
 
 
 @dataclass
-class GroupStepMetadata:
-    """What the layers of one group need for one step.
+class PrefillGroupMetadata:
+    """What the layers of one group need for the prefill part of a step."""
 
-    Prefill: `slot_mapping` [T] gives each token's slot, -1 for tokens of prompts in `compress`.
-    Decode: `slot_mapping` [B] is the new token's slot; `block_tables` and `context_lens` describe
-    each sequence's cached context in this group (which is shorter than the sequence in sparse
-    groups).
-    """
-
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    # A bound on context_lens known on the host: no device sync, and fixed under CUDA graphs.
-    max_context_len: int | None = None
+    slot_mapping: torch.Tensor  # [P]: each prompt token's slot, -1 for the prompts in `compress`
     compress: CompressJobs | None = None
 
 
 @dataclass
+class DecodeGroupMetadata:
+    """What the layers of one group need for the decode part of a step: where each sequence's
+    new token goes and its cached context in this group (shorter than the sequence in sparse
+    groups)."""
+
+    slot_mapping: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max blocks]
+    context_lens: torch.Tensor  # [B], the new token included
+    # A bound on context_lens known on the host: no device sync, and fixed under CUDA graphs.
+    max_context_len: int
+
+
+@dataclass
+class PrefillMetadata:
+    num_tokens: int  # P: the step's first P tokens are the prompts', packed
+    cu_seqlens: torch.Tensor  # packed prompt offsets
+    max_seqlen: int  # longest prompt, known on the host
+    groups: list[PrefillGroupMetadata]
+
+
+@dataclass
+class DecodeMetadata:
+    groups: list[DecodeGroupMetadata]
+
+
+@dataclass
 class StepMetadata:
-    is_prefill: bool
-    groups: list[GroupStepMetadata]
-    cu_seqlens: torch.Tensor | None = None  # prefill: packed sequence offsets
-    max_seqlen: int | None = None  # prefill: longest sequence, known on the host
+    """A step feeds the prefilled prompts' tokens (packed), then one token per decoding
+    sequence; either part may be absent."""
+
+    prefill: PrefillMetadata | None = None
+    decode: DecodeMetadata | None = None
 
 
 class PagedAttention(nn.Module):
@@ -83,19 +100,36 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+        if meta.prefill is None:
+            return self._decode(q, k, v, meta.decode.groups[self.group])
+        n = meta.prefill.num_tokens
+        out = self._prefill(q[:n], k[:n], v[:n], meta.prefill)
+        if meta.decode is None:
+            return out
+        decoded = self._decode(q[n:], k[n:], v[n:], meta.decode.groups[self.group])
+        return torch.cat([out, decoded])
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroupMetadata
+    ) -> torch.Tensor:
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+        return self.ops.paged_decode_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            group.block_tables,
+            group.context_lens,
+            self.scale,
+            group.max_context_len,
+        )
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMetadata
+    ) -> torch.Tensor:
+        """Causal attention within each prompt; every token's K/V is stored, except in a group
+        that compresses the prompt: there only the selected tokens are written."""
         group = meta.groups[self.group]
         ops = self.ops
-        if not meta.is_prefill:
-            ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
-            return ops.paged_decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                group.block_tables,
-                group.context_lens,
-                self.scale,
-                group.max_context_len,
-            )
         out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen)
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
         if group.compress:

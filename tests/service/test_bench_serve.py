@@ -33,6 +33,8 @@ def test_sweep_reports_every_level(tmp_path, capsys):
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] <= level["ttft_max_s"]
         assert level["tpot_p50_s"] > 0
         assert level["e2e_p50_s"] >= level["ttft_p50_s"]
+        rounds = level["ttft_p50_by_round_s"]
+        assert len(rounds) == 2 and all(0 < t <= level["ttft_max_s"] for t in rounds)
     assert "| 3 | 6 |" in capsys.readouterr().out  # the table
 
 
