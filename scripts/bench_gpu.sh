@@ -9,6 +9,7 @@
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   kernels        kernel microbenchmarks (checks every kernel against its reference first)
+#   profile        where a prefill step's GPU time goes (profiler), alone and with running decodes
 #   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
@@ -75,6 +76,14 @@ step_serve-dense() { serve_sweep dense; }
 
 step_kernels() {
     python3 -m sparse_core.bench.kernels 2>&1 | tee "$OUT/kernels.txt" | tail -25
+}
+
+step_profile() {
+    for args in "--policy dense" "--policy snapkv" "--policy snapkv --running 40" \
+        "--policy dense --prompts 1 --running 13"; do
+        # shellcheck disable=SC2086  # args is a list of flags
+        python3 -m sparse_core.bench.profile_step $args
+    done 2>&1 | tee "$OUT/profile_step.txt" | grep -v -i warn
 }
 
 step_hf() {

@@ -1,0 +1,110 @@
+"""Where a prefill step's GPU time goes: `python -m sparse_core.bench.profile_step` (CUDA only).
+
+Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
+sequences were admitted, so that their decode rows join the step, as in a mixed step), a few
+times under the torch profiler, and prints the step's wall time and its GPU kernels by total time
+per step. The matmuls of a Llama-3-8B prefill are 2 x 6.98 G FLOPs per token; the printed
+roofline line compares the matmul kernels' time with that count at `--peak-tflops`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.llm_engine import LLMEngine
+from sparse_core.engine.sampling_params import SamplingParams
+
+# Kernel-name fragments of the matmul libraries torch dispatches to on Hopper.
+MATMUL_MARKERS = ("gemm", "nvjet", "sm90_xmma", "cutlass")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="dummy:llama3-8b")
+    parser.add_argument("--policy", default="snapkv")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--input-len", type=int, default=4000)
+    parser.add_argument("--running", type=int, default=0, help="sequences decoding alongside")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument("--top", type=int, default=20)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA")
+
+    sparsity = (
+        SparsityConfig(policy="dense")
+        if args.policy == "dense"
+        else SparsityConfig(policy=args.policy, budget=512, window=32, full_layers=3)
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            max_model_len=args.input_len + 608,
+            max_num_batched_tokens=max(8192, args.prompts * args.input_len),
+            max_num_seqs=max(64, args.running + args.prompts),
+            kv_cache_memory_gb=20,
+        ),
+        sparsity,
+    )
+    rng = random.Random(0)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+
+    def add(name: str) -> None:
+        engine.add_request(name, [rng.randrange(vocab) for _ in range(args.input_len)], params)
+
+    for i in range(args.running):
+        add(f"running{i}")
+    while len(engine.scheduler.running) < args.running:
+        engine.step()
+
+    def prefill_step(tag: str) -> float:
+        names = [f"{tag}-{i}" for i in range(args.prompts)]
+        for name in names:
+            add(name)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        for name in names:
+            engine.abort(name)
+        return seconds
+
+    prefill_step("warmup")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        walls = [prefill_step(f"profiled{r}") for r in range(args.repeats)]
+
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / args.repeats  # ms/step
+    total = sum(per_kernel.values())
+    matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
+    tokens = args.prompts * args.input_len
+    ideal = 2 * 6.98e9 * tokens / (args.peak_tflops * 1e12) * 1e3
+    print(
+        f"{args.prompts} x {args.input_len} tokens, {args.running} running, {args.policy}: "
+        f"wall {min(walls) * 1e3:.1f} ms per step, GPU kernels {total:.1f} ms, "
+        f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
+    )
+    print(
+        f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
+        f"{args.peak_tflops:.0f} TFLOP/s an 8B model's matmuls take {ideal:.1f} ms"
+    )
+    print(f"{'ms/step':>8} {'share':>6}  kernel")
+    for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{t:8.2f} {100 * t / total:5.1f}%  {name[:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
