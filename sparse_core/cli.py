@@ -21,6 +21,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-model-len", type=int, default=8192)
+    engine.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per step; prompts are whole, so at least --max-model-len "
+        "(default: the larger of --max-model-len and 8192)",
+    )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -78,6 +85,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         model=args.model,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -52,3 +52,19 @@ def test_bad_flag_value_is_a_clear_error():
     assert proc.returncode == 2
     assert "budget (16) must be greater than window (32)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_batched_tokens_below_the_model_length_is_a_clear_error():
+    proc = run_cli(
+        "generate",
+        "hi",
+        "--model",
+        "dummy:tiny",
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "2048",
+    )
+    assert proc.returncode == 2
+    assert "max_num_batched_tokens (2048) must be at least max_model_len (4096)" in proc.stderr
+    assert "Traceback" not in proc.stderr

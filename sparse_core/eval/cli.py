@@ -45,7 +45,7 @@ def _common_args(p: argparse.ArgumentParser, samples: int, seed: int) -> None:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--kv-cache-memory-gb", type=float, default=4.0)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens per prefill step"
+        "--max-num-batched-tokens", type=int, default=None, help="prompt tokens prefilled per step"
     )
     p.add_argument("--json", default=None, help="write every sample's result here")
     p.add_argument("--markdown", default=None, help="write the tables here")
