@@ -1,7 +1,9 @@
-"""`kvsparse bench serve`: closed-loop load against any OpenAI-compatible server (ours, vLLM...).
+"""`kvsparse bench serve`: load against any OpenAI-compatible server (ours, vLLM...).
 
-At each concurrency level C, C clients each keep one streaming request in flight until each has
-sent `--requests-per-client`. Prompts are random token ids (exactly `--input-len` tokens, no
+Closed loop (`--concurrency`, the default): at each level C, C clients each keep one streaming
+request in flight until each has sent `--requests-per-client`. Open loop (`--request-rate`):
+at each rate, `--num-requests` requests arrive at random (Poisson) times, whatever the server's
+progress, as independent users do. Prompts are random token ids (exactly `--input-len` tokens, no
 tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -30,7 +33,8 @@ class RequestResult:
 
 @dataclass
 class LevelResult:
-    concurrency: int
+    concurrency: int | None  # closed loop: clients
+    request_rate: float | None  # open loop: mean arrivals per second
     requests: int
     errors: int
     wall_s: float
@@ -42,7 +46,8 @@ class LevelResult:
     tpot_p50_s: float
     tpot_p99_s: float
     e2e_p50_s: float
-    # TTFT p50 of each round: the first round arrives at once, later ones as requests finish.
+    # Closed loop: TTFT p50 of each round (the first arrives at once, later ones as requests
+    # finish); empty in open loop.
     ttft_p50_by_round_s: list[float]
 
 
@@ -80,14 +85,51 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
                          usage.prompt_tokens)  # fmt: skip
 
 
+def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    lo, hi = args.token_range
+    return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(count)]
+
+
+def summarize(
+    results: list[RequestResult],
+    errors: list[str],
+    wall: float,
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    rounds: int = 0,
+) -> LevelResult:
+    if errors:
+        print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+    ttfts = [r.ttft_s for r in results]
+    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in results)
+    all_tokens = out_tokens + sum(r.prompt_tokens for r in results)
+    return LevelResult(
+        concurrency=concurrency,
+        request_rate=request_rate,
+        requests=len(results),
+        errors=len(errors),
+        wall_s=round(wall, 3),
+        output_tok_per_s=round(out_tokens / wall, 2),
+        total_tok_per_s=round(all_tokens / wall, 2),
+        ttft_p50_s=round(percentile(ttfts, 50), 4),
+        ttft_p99_s=round(percentile(ttfts, 99), 4),
+        ttft_max_s=round(max(ttfts, default=float("nan")), 4),
+        tpot_p50_s=round(percentile(tpots, 50), 5),
+        tpot_p99_s=round(percentile(tpots, 99), 5),
+        e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
+        ttft_p50_by_round_s=[
+            round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
+            for k in range(rounds)
+        ],
+    )
+
+
 async def run_level(
     client, model: str, concurrency: int, per_client: int, args: argparse.Namespace, rng
 ) -> LevelResult:
-    lo, hi = args.token_range
-    prompts = [
-        [rng.randrange(lo, hi) for _ in range(args.input_len)]
-        for _ in range(concurrency * per_client)
-    ]
+    """Closed loop: `concurrency` clients, each sending `per_client` requests one after another."""
+    prompts = random_prompts(concurrency * per_client, args, rng)
     results: list[RequestResult] = []
     errors: list[str] = []
 
@@ -104,30 +146,29 @@ async def run_level(
     start = time.perf_counter()
     await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
     wall = time.perf_counter() - start
-    if errors:
-        print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
-    ttfts = [r.ttft_s for r in results]
-    tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
-    out_tokens = sum(r.output_tokens for r in results)
-    all_tokens = out_tokens + sum(r.prompt_tokens for r in results)
-    return LevelResult(
-        concurrency=concurrency,
-        requests=len(results),
-        errors=len(errors),
-        wall_s=round(wall, 3),
-        output_tok_per_s=round(out_tokens / wall, 2),
-        total_tok_per_s=round(all_tokens / wall, 2),
-        ttft_p50_s=round(percentile(ttfts, 50), 4),
-        ttft_p99_s=round(percentile(ttfts, 99), 4),
-        ttft_max_s=round(max(ttfts, default=float("nan")), 4),
-        tpot_p50_s=round(percentile(tpots, 50), 5),
-        tpot_p99_s=round(percentile(tpots, 99), 5),
-        e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
-        ttft_p50_by_round_s=[
-            round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
-            for k in range(per_client)
-        ],
-    )
+    return summarize(results, errors, wall, concurrency=concurrency, rounds=per_client)
+
+
+async def run_rate_level(
+    client, model: str, rate: float, args: argparse.Namespace, rng
+) -> LevelResult:
+    """Open loop: `--num-requests` requests at Poisson arrival times of mean rate `rate`/s."""
+    prompts = random_prompts(args.num_requests, args, rng)
+    arrivals = itertools.accumulate(rng.expovariate(rate) for _ in prompts)
+    results: list[RequestResult] = []
+    errors: list[str] = []
+
+    async def arrive(prompt: list[int], at: float) -> None:
+        await asyncio.sleep(at)
+        try:
+            results.append(await one_request(client, model, prompt, args.output_len))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(arrive(p, at) for p, at in zip(prompts, arrivals, strict=True)))
+    wall = time.perf_counter() - start
+    return summarize(results, errors, wall, request_rate=rate)
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -139,12 +180,19 @@ async def run(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     model = args.model or (await client.models.list()).data[0].id
     rng = random.Random(args.seed)
-    lo, hi = args.token_range
-    await one_request(client, model, [rng.randrange(lo, hi) for _ in range(args.input_len)], 2)
+    await one_request(client, model, random_prompts(1, args, rng)[0], 2)
     levels = []
-    for concurrency in args.concurrency:
-        per_client = args.requests_per_client or (3 if concurrency <= 10 else 2)
-        level = await run_level(client, model, concurrency, per_client, args, rng)
+    if args.request_rate:
+        runs = (run_rate_level(client, model, rate, args, rng) for rate in args.request_rate)
+    else:
+        runs = (
+            run_level(
+                client, model, c, args.requests_per_client or (3 if c <= 10 else 2), args, rng
+            )
+            for c in args.concurrency
+        )
+    for level_run in runs:
+        level = await level_run
         levels.append(level)
         print(json.dumps(asdict(level)), file=sys.stderr, flush=True)
     await client.close()
@@ -160,22 +208,39 @@ async def run(args: argparse.Namespace) -> dict:
 
 def table(report: dict) -> str:
     rows = [
-        "| concurrency | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
+        "| load | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
         "| TTFT p50 per round |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for lv in report["levels"]:
+        load = (
+            f"{lv['concurrency']} clients"
+            if lv["concurrency"] is not None
+            else f"{lv['request_rate']:g} req/s"
+        )
         rows.append(
-            f"| {lv['concurrency']} | {lv['requests']} | {lv['output_tok_per_s']:,.0f} | "
+            f"| {load} | {lv['requests']} | {lv['output_tok_per_s']:,.0f} | "
             f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
             f"{lv['tpot_p50_s'] * 1000:.1f} ms | "
-            f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s'])} s |"
+            f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s']) or '-'} |"
         )
     return "\n".join(rows)
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}"
+        ) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -188,6 +253,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--concurrency", type=_ints, default=[1, 5, 10, 20, 40])
+    parser.add_argument(
+        "--request-rate",
+        type=_floats,
+        default=None,
+        help="open loop instead: mean arrivals per second, e.g. 1,2,4 (Poisson arrivals)",
+    )
+    parser.add_argument(
+        "--num-requests", type=int, default=40, help="requests per rate (open loop)"
+    )
     parser.add_argument("--input-len", type=int, default=4000)
     parser.add_argument("--output-len", type=int, default=500)
     parser.add_argument(

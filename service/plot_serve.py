@@ -37,6 +37,9 @@ def main() -> None:
 
     plt = pyplot()
     runs = [load_report(path) for path in args.reports]
+    for path, (_, levels) in zip(args.reports, runs, strict=True):
+        if any(lv.get("concurrency") is None for lv in levels):
+            parser.error(f"{path} is an open-loop (--request-rate) report; this plots concurrency")
     if args.labels:
         labels = args.labels.split(",")
         if len(labels) != len(runs):

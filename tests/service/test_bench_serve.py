@@ -4,10 +4,31 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from service.bench_serve import percentile
 from service.cli import main
 from sparse_core import EngineConfig, SparsityConfig
 from tests.service.servers import standalone
+
+
+def test_open_loop_sends_every_request_at_each_rate(tmp_path, capsys):
+    engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.01)
+    output = tmp_path / "bench.json"
+    with standalone(engine, [SparsityConfig(policy="dense")]) as server:
+        code = main(["bench", "serve", "--base-url", server.v1, "--api-key", server.api_key,
+                     "--request-rate", "50,100", "--num-requests", "5", "--input-len", "24",
+                     "--output-len", "6", "--token-range", "1:250", "--output", str(output)])  # fmt: skip
+    assert code == 0
+    report = json.loads(output.read_text())
+    assert [level["request_rate"] for level in report["levels"]] == [50.0, 100.0]
+    for level in report["levels"]:
+        assert level["concurrency"] is None
+        assert (level["requests"], level["errors"]) == (5, 0)
+        assert abs(level["output_tok_per_s"] * level["wall_s"] - 5 * 6) < 0.05 * 30
+        assert 0 < level["ttft_p50_s"] <= level["ttft_max_s"]
+        assert level["ttft_p50_by_round_s"] == []
+    assert "| 100 req/s | 5 |" in capsys.readouterr().out
 
 
 def test_sweep_reports_every_level(tmp_path, capsys):
@@ -35,7 +56,7 @@ def test_sweep_reports_every_level(tmp_path, capsys):
         assert level["e2e_p50_s"] >= level["ttft_p50_s"]
         rounds = level["ttft_p50_by_round_s"]
         assert len(rounds) == 2 and all(0 < t <= level["ttft_max_s"] for t in rounds)
-    assert "| 3 | 6 |" in capsys.readouterr().out  # the table
+    assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
 
 
 def test_percentile_is_nearest_rank():
@@ -43,3 +64,10 @@ def test_percentile_is_nearest_rank():
     assert percentile(values, 50) == 50.0
     assert percentile(values, 99) == 99.0
     assert percentile([3.0], 99) == 3.0
+
+
+def test_a_rate_that_is_not_positive_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "serve", "--request-rate", "2,0"])
+    assert exit_info.value.code == 2
+    assert "expected positive numbers, got '2,0'" in capsys.readouterr().err
