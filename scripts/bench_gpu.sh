@@ -8,6 +8,7 @@
 #   uncapped       bench throughput, dense / snapkv, no cap
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
+#   rate-snapkv    `kvsparse serve` (24 GB cap) + open-loop load at $RATES requests/s (Poisson)
 #   kernels        kernel microbenchmarks (checks every kernel against its reference first)
 #   profile        where a prefill step's GPU time goes (profiler), alone and with running decodes
 #   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
@@ -29,6 +30,8 @@ SERVE_ARGS=${SERVE_ARGS:---gpu-memory-limit-gb 24 --max-model-len 4608 --max-num
 INPUT_LEN=${INPUT_LEN:-4000}
 OUTPUT_LEN=${OUTPUT_LEN:-500}
 TOKEN_RANGE=${TOKEN_RANGE:-100:30000}
+RATES=${RATES:-1,2,3}
+NUM_REQUESTS=${NUM_REQUESTS:-30}
 mkdir -p "$OUT"
 
 step_tests() {
@@ -48,21 +51,23 @@ step_uncapped() {
 }
 
 # The server in the background, the load generator against it, then the server stopped.
+# serve_sweep POLICY NAME LOAD_FLAGS...: the report is $OUT/NAME.json.
 serve_sweep() {
-    local policy=$1
+    local policy=$1 name=$2
+    shift 2
     # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
     python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
-        >"$OUT/serve_$policy.log" 2>&1 &
+        >"$OUT/$name.log" 2>&1 &
     local server=$!
     for _ in $(seq 240); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
             2>/dev/null && break
-        kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/serve_$policy.log"; return 1; }
+        kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/$name.log"; return 1; }
         sleep 1
     done
-    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" \
-        --concurrency "$CONCURRENCY" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        --token-range "$TOKEN_RANGE" --label "kvsparse $policy" --output "$OUT/serve_$policy.json" 2>>"$OUT/serve_$policy.log"
+    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" "$@" \
+        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --token-range "$TOKEN_RANGE" \
+        --label "kvsparse $policy" --output "$OUT/$name.json" 2>>"$OUT/$name.log"
     local status=$?
     kill -INT "$server"
     for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
@@ -71,8 +76,11 @@ serve_sweep() {
     return $status
 }
 
-step_serve-snapkv() { serve_sweep snapkv; }
-step_serve-dense() { serve_sweep dense; }
+step_serve-snapkv() { serve_sweep snapkv serve_snapkv --concurrency "$CONCURRENCY"; }
+step_serve-dense() { serve_sweep dense serve_dense --concurrency "$CONCURRENCY"; }
+step_rate-snapkv() {
+    serve_sweep snapkv rate_snapkv --request-rate "$RATES" --num-requests "$NUM_REQUESTS"
+}
 
 step_kernels() {
     python3 -m sparse_core.bench.kernels 2>&1 | tee "$OUT/kernels.txt" | tail -25
