@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of docs/benchmarks.md, as steps that can run in one go or one at a time:
 #
-#   bash scripts/bench_gpu.sh [STEP ...]      (default: every step but the vLLM ones)
+#   bash scripts/bench_gpu.sh [STEP ...]
+#       (default: tests cap24 uncapped serve-snapkv serve-dense kernels hf)
 #
 #   tests          GPU tests: Triton kernels against the references, the engine on CUDA
 #   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
@@ -87,11 +88,17 @@ step_kernels() {
 }
 
 step_profile() {
+    local args status=0
+    : >"$OUT/profile_step.txt"
     for args in "--policy dense" "--policy snapkv" "--policy snapkv --running 40" \
         "--policy dense --prompts 1 --running 13"; do
         # shellcheck disable=SC2086  # args is a list of flags
-        python3 -m sparse_core.bench.profile_step $args
-    done 2>&1 | tee "$OUT/profile_step.txt" | grep -v -i warn
+        if ! python3 -m sparse_core.bench.profile_step $args 2>&1 \
+            | tee -a "$OUT/profile_step.txt" | grep -v -i warn; then
+            status=1
+        fi
+    done
+    return $status
 }
 
 step_hf() {

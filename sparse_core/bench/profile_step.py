@@ -3,7 +3,7 @@
 Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
 sequences were admitted, so that their decode rows join the step, as in a mixed step), a few
 times under the torch profiler, and prints the step's wall time and its GPU kernels by total time
-per step. The matmuls of a Llama-3-8B prefill are 2 x 6.98 G FLOPs per token; the printed
+per step. A prefill's matmuls are 2 FLOPs per token per weight of the decoder layers; the printed
 roofline line compares the matmul kernels' time with that count at `--peak-tflops`.
 """
 
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(
             model=args.model,
             max_model_len=args.input_len + 608,
-            max_num_batched_tokens=max(8192, args.prompts * args.input_len),
+            max_num_batched_tokens=max(8192, args.prompts * args.input_len + 608),
             max_num_seqs=max(64, args.running + args.prompts),
             kv_cache_memory_gb=20,
         ),
@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
 
     for i in range(args.running):
         add(f"running{i}")
-    while len(engine.scheduler.running) < args.running:
+    while engine.scheduler.waiting:
+        admitted = len(engine.scheduler.running)
         engine.step()
+        if len(engine.scheduler.running) <= admitted:
+            parser.error(f"the KV cache holds only {admitted} of the --running sequences")
 
     def prefill_step(tag: str) -> float:
         names = [f"{tag}-{i}" for i in range(args.prompts)]
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
+        if any(engine.sequences[name].num_computed_tokens == 0 for name in names):
+            parser.error("the prompts were not all admitted: the KV cache is full")
         for name in names:
             engine.abort(name)
         return seconds
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(per_kernel.values())
     matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
     tokens = args.prompts * args.input_len
-    ideal = 2 * 6.98e9 * tokens / (args.peak_tflops * 1e12) * 1e3
+    layer_weights = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
+    ideal = 2 * layer_weights * tokens / (args.peak_tflops * 1e12) * 1e3
     print(
         f"{args.prompts} x {args.input_len} tokens, {args.running} running, {args.policy}: "
         f"wall {min(walls) * 1e3:.1f} ms per step, GPU kernels {total:.1f} ms, "
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
-        f"{args.peak_tflops:.0f} TFLOP/s an 8B model's matmuls take {ideal:.1f} ms"
+        f"{args.peak_tflops:.0f} TFLOP/s the decoder layers' matmuls take {ideal:.1f} ms"
     )
     print(f"{'ms/step':>8} {'share':>6}  kernel")
     for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:

@@ -1,9 +1,10 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 Steps that only decode (no prompt joins them) replay a graph. A decode step of a 32-layer model
-launches hundreds of small kernels; replaying a captured graph removes their launch cost. Everything a step reads lives in static buffers: token ids, positions,
-and for every layer group its slot mapping, block tables and context lengths. A batch runs in the
-smallest bucket that holds it; padding rows write nowhere (slot -1) and attend to one token.
+launches hundreds of small kernels; replaying a captured graph removes their launch cost.
+Everything a step reads lives in static buffers: token ids, positions, and for every layer group
+its slot mapping, block tables and context lengths. A batch runs in the smallest bucket that
+holds it; padding rows write nowhere (slot -1) and attend to one token.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 @dataclass
 class DecodeBatch:
-    """Host-side description of a decode step (what the model runner computed)."""
+    """Host-side description of a step's decode part: one token per running sequence."""
 
     input_ids: list[int]
     positions: list[int]

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 from sparse_core.models.tokenizer import Tokenizer
 
-# A UTF-8 character has at most 4 bytes, so at most 4 byte-fallback tokens: a replacement
-# character still trailing after more is invalid output (random weights), not an incomplete one.
-# Emitting it then keeps each step's decode short instead of re-decoding an ever longer tail.
-MAX_PENDING_TOKENS = 4
-
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -27,8 +22,7 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix = decode(self.token_ids[self.prefix_offset : self.read_offset])
         full = decode(self.token_ids[self.prefix_offset :])
-        pending = len(self.token_ids) - self.read_offset
-        if len(full) <= len(prefix) or (full.endswith("\ufffd") and pending <= MAX_PENDING_TOKENS):
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full[len(prefix) :]

@@ -148,7 +148,7 @@ class LLMEngine:
                 f"no GPU memory left for the KV cache: the limit is {limit / 2**30:.2f} GiB and "
                 f"weights + activations already take {(weights + activations) / 2**30:.2f} GiB; "
                 f"raise gpu_memory_utilization / gpu_memory_limit_gb or lower "
-                f"max_num_batched_tokens"
+                f"max_num_batched_tokens / max_num_seqs"
             )
         return kv
 

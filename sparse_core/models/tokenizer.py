@@ -81,6 +81,9 @@ class Tokenizer:
         return self._hf
 
 
+UNKNOWN_ID_TEXT = "\u00b7"
+
+
 class ByteTokenizer(Tokenizer):
     """For dummy models: ids 0..255 are the UTF-8 bytes, then BOS and EOS when the vocabulary has room."""
 
@@ -105,7 +108,9 @@ class ByteTokenizer(Tokenizer):
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        # Random weights emit ids past the byte range; they decode to U+FFFD like invalid bytes.
+        # Random weights emit ids past the byte range. Each decodes to a complete character
+        # (a middle dot), not to U+FFFD, which the incremental detokenizer reads as the start of
+        # an unfinished character and would keep re-decoding.
         out = bytearray()
         for i in ids:
             if i < 256:
@@ -114,7 +119,7 @@ class ByteTokenizer(Tokenizer):
                 if not skip_special_tokens:
                     out += b"<s>" if i == self.bos_token_id else b"</s>"
             else:
-                out += "\ufffd".encode()
+                out += UNKNOWN_ID_TEXT.encode()
         return out.decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:

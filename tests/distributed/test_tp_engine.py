@@ -15,6 +15,7 @@ from tests.distributed.tp_helpers import Run, assert_same_logits, run
 
 TINY = DUMMY_PRESETS["tiny"]  # 4 layers, 4 heads, 2 KV heads, intermediate 128, vocab 512
 PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(150)], [(11 * i) % 500 + 1 for i in range(90)]]
+LATE_PROMPTS = [[(13 * i) % 500 + 1 for i in range(70)]]  # joins the decodes in a mixed step
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 POLICIES = {
     "dense": SparsityConfig(policy="dense"),
@@ -31,7 +32,7 @@ def engine_run(policy: str, tp: int) -> Run:
         kv_cache_memory_gb=0.01,
         tensor_parallel_size=tp,
     ) as llm:
-        result = run(llm, PROMPTS, PARAMS)
+        result = run(llm, PROMPTS, PARAMS, late=LATE_PROMPTS)
         if tp > 1:
             assert [p.is_alive() for p in llm.engine.workers.processes] == [True]
             workers = llm.engine.workers.processes
@@ -57,7 +58,11 @@ def test_tp2_computes_what_one_rank_computes(runs, policy):
 def test_sparse_runs_compress(runs):
     for policy in ("snapkv", "random"):
         kept = runs[policy, 2].kv_tokens_per_group
-        assert kept == [{"full": 150, "budget64": 64}, {"full": 90, "budget64": 64}]
+        assert kept == [
+            {"full": 150, "budget64": 64},
+            {"full": 90, "budget64": 64},
+            {"full": 70, "budget64": 64},  # compressed in a mixed step
+        ]
 
 
 def test_each_rank_caches_only_its_kv_heads(runs):

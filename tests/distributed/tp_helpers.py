@@ -19,8 +19,11 @@ class Run:
     worker_kv_shapes: list[list[tuple[int, ...]]]  # per worker rank: each layer's K cache shape
 
 
-def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
-    """Every prompt is admitted into the first step, so that step is one prefill of them all."""
+def run(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, late: list[list[int]] = ()
+) -> Run:
+    """Every prompt is admitted into the first step, so that step is one prefill of them all;
+    the `late` prompts arrive after it and join the running decodes in a mixed step."""
     engine, workers = llm.engine, llm.engine.workers
     logits: list[torch.Tensor] = []
     execute = engine.runner.execute
@@ -40,9 +43,11 @@ def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> Run:
     prefill_calls = [dict(COLLECTIVE_CALLS)]
     if workers is not None:
         prefill_calls += workers.query("collective_calls")
+    for i, prompt in enumerate(late, start=len(prompts)):
+        engine.add_request(f"r{i}", prompt, params)
     while engine.has_unfinished:
         finished.update((out.request_id, out) for out in engine.step() if out.finished)
-    outs = [finished[f"r{i}"] for i in range(len(prompts))]
+    outs = [finished[f"r{i}"] for i in range(len(prompts) + len(late))]
     return Run(
         token_ids=[out.token_ids for out in outs],
         logits=logits,
