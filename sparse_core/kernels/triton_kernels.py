@@ -413,7 +413,9 @@ def _paged_decode_kernel(
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
-@triton.jit
+# The split count is a plain runtime value (not specialised on, and BLOCK_S fixed below), so one
+# compiled variant serves every count: a step with a count not seen before compiles nothing.
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -543,7 +545,7 @@ def paged_decode_attention(
     if split:
         _combine_splits_kernel[(batch, num_q)](
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
             **_launch_options(q, 4, 1),
         )  # fmt: skip
     return out
