@@ -19,7 +19,8 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -85,6 +86,26 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
                          usage.prompt_tokens)  # fmt: skip
 
 
+@dataclass
+class LevelRun:
+    """The requests of one load level: each one sent, and its result or error kept."""
+
+    client: Any
+    model: str
+    output_len: int
+    results: list[RequestResult] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    async def send(self, prompt: list[int], round: int = 0) -> None:
+        try:
+            result = await one_request(self.client, self.model, prompt, self.output_len)
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        result.round = round
+        self.results.append(result)
+
+
 def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     lo, hi = args.token_range
     return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(count)]
@@ -130,23 +151,16 @@ async def run_level(
 ) -> LevelResult:
     """Closed loop: `concurrency` clients, each sending `per_client` requests one after another."""
     prompts = random_prompts(concurrency * per_client, args, rng)
-    results: list[RequestResult] = []
-    errors: list[str] = []
+    level = LevelRun(client, model, args.output_len)
 
     async def client_loop(index: int) -> None:
         for k in range(per_client):
-            try:
-                prompt = prompts[index * per_client + k]
-                result = await one_request(client, model, prompt, args.output_len)
-                result.round = k
-                results.append(result)
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
+            await level.send(prompts[index * per_client + k], round=k)
 
     start = time.perf_counter()
     await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
     wall = time.perf_counter() - start
-    return summarize(results, errors, wall, concurrency=concurrency, rounds=per_client)
+    return summarize(level.results, level.errors, wall, concurrency=concurrency, rounds=per_client)
 
 
 async def run_rate_level(
@@ -155,20 +169,16 @@ async def run_rate_level(
     """Open loop: `--num-requests` requests at Poisson arrival times of mean rate `rate`/s."""
     prompts = random_prompts(args.num_requests, args, rng)
     arrivals = itertools.accumulate(rng.expovariate(rate) for _ in prompts)
-    results: list[RequestResult] = []
-    errors: list[str] = []
+    level = LevelRun(client, model, args.output_len)
 
     async def arrive(prompt: list[int], at: float) -> None:
         await asyncio.sleep(at)
-        try:
-            results.append(await one_request(client, model, prompt, args.output_len))
-        except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
+        await level.send(prompt)
 
     start = time.perf_counter()
     await asyncio.gather(*(arrive(p, at) for p, at in zip(prompts, arrivals, strict=True)))
     wall = time.perf_counter() - start
-    return summarize(results, errors, wall, request_rate=rate)
+    return summarize(level.results, level.errors, wall, request_rate=rate)
 
 
 async def run(args: argparse.Namespace) -> dict:

@@ -36,35 +36,25 @@ def test_generate_with_the_built_in_model():
     assert summary["completion_tokens"] >= 1
 
 
-def test_bad_flag_value_is_a_clear_error():
-    proc = run_cli(
-        "generate",
-        "hi",
-        "--policy",
-        "snapkv",
-        "--budget",
-        "16",
-        "--window",
-        "32",
-        "--model",
-        "dummy:tiny",
-    )
+def assert_usage_error(message: str, *args: str) -> None:
+    """The command exits with status 2 and a message, not a traceback."""
+    proc = run_cli(*args)
     assert proc.returncode == 2
-    assert "budget (16) must be greater than window (32)" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bad_flag_value_is_a_clear_error():
+    assert_usage_error(
+        "budget (16) must be greater than window (32)",
+        *("generate", "hi", "--policy", "snapkv", "--budget", "16", "--window", "32"),
+        *("--model", "dummy:tiny"),
+    )
 
 
 def test_batched_tokens_below_the_model_length_is_a_clear_error():
-    proc = run_cli(
-        "generate",
-        "hi",
-        "--model",
-        "dummy:tiny",
-        "--max-model-len",
-        "4096",
-        "--max-num-batched-tokens",
-        "2048",
+    assert_usage_error(
+        "max_num_batched_tokens (2048) must be at least max_model_len (4096)",
+        *("generate", "hi", "--model", "dummy:tiny", "--max-model-len", "4096"),
+        *("--max-num-batched-tokens", "2048"),
     )
-    assert proc.returncode == 2
-    assert "max_num_batched_tokens (2048) must be at least max_model_len (4096)" in proc.stderr
-    assert "Traceback" not in proc.stderr

@@ -156,11 +156,12 @@ class ModelRunner:
             self._prepare_prefill(step.prefills) if step.prefills else None,
             self._prepare_decode(step.decodes, block_manager) if step.decodes else None,
         )
+        seqs = step.seqs
         wanted = [
             seq.samples_next_token(is_prefill)
-            for seq, is_prefill in zip(step.seqs, step.is_prefill_row, strict=True)
+            for seq, is_prefill in zip(seqs, step.is_prefill_row, strict=True)
         ]
-        return sample(self.execute(batch), step.seqs, self.generator, wanted)
+        return sample(self.execute(batch), seqs, self.generator, wanted)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:

@@ -12,15 +12,25 @@ from sparse_core import EngineConfig, SparsityConfig
 from tests.service.servers import standalone
 
 
-def test_open_loop_sends_every_request_at_each_rate(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def server():
     engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.01)
+    with standalone(engine, [SparsityConfig(policy="dense")]) as running:
+        yield running
+
+
+def bench(server, tmp_path, *load_flags: str) -> tuple[int, dict]:
+    """`kvsparse bench serve` of 24-token prompts and 6-token outputs: exit code and report."""
     output = tmp_path / "bench.json"
-    with standalone(engine, [SparsityConfig(policy="dense")]) as server:
-        code = main(["bench", "serve", "--base-url", server.v1, "--api-key", server.api_key,
-                     "--request-rate", "50,100", "--num-requests", "5", "--input-len", "24",
-                     "--output-len", "6", "--token-range", "1:250", "--output", str(output)])  # fmt: skip
+    code = main(["bench", "serve", "--base-url", server.v1, "--api-key", server.api_key,
+                 "--input-len", "24", "--output-len", "6", "--token-range", "1:250",
+                 "--output", str(output), *load_flags])  # fmt: skip
+    return code, json.loads(output.read_text())
+
+
+def test_open_loop_sends_every_request_at_each_rate(server, tmp_path, capsys):
+    code, report = bench(server, tmp_path, "--request-rate", "50,100", "--num-requests", "5")
     assert code == 0
-    report = json.loads(output.read_text())
     assert [level["request_rate"] for level in report["levels"]] == [50.0, 100.0]
     for level in report["levels"]:
         assert level["concurrency"] is None
@@ -31,16 +41,11 @@ def test_open_loop_sends_every_request_at_each_rate(tmp_path, capsys):
     assert "| 100 req/s | 5 |" in capsys.readouterr().out
 
 
-def test_sweep_reports_every_level(tmp_path, capsys):
-    engine = EngineConfig(model="dummy:tiny", max_model_len=256, kv_cache_memory_gb=0.01)
-    output = tmp_path / "bench.json"
-    with standalone(engine, [SparsityConfig(policy="dense")]) as server:
-        code = main(["bench", "serve", "--base-url", server.v1, "--api-key", server.api_key,
-                     "--concurrency", "1,3", "--input-len", "24", "--output-len", "6",
-                     "--requests-per-client", "2", "--token-range", "1:250", "--label", "tiny",
-                     "--output", str(output)])  # fmt: skip
+def test_sweep_reports_every_level(server, tmp_path, capsys):
+    code, report = bench(
+        server, tmp_path, "--concurrency", "1,3", "--requests-per-client", "2", "--label", "tiny"
+    )
     assert code == 0
-    report = json.loads(output.read_text())
     assert (report["model"], report["label"]) == ("dummy:tiny", "tiny")
     assert [level["concurrency"] for level in report["levels"]] == [1, 3]
     for level in report["levels"]:
