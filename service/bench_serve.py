@@ -6,7 +6,8 @@ at each rate, `--num-requests` requests arrive at random (Poisson) times, whatev
 progress, as independent users do. Prompts are random token ids (exactly `--input-len` tokens, no
 tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
-(TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s.
+(TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
+and in the JSON report every request's send time, TTFT and end-to-end time.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class RequestResult:
     e2e_s: float
     output_tokens: int
     prompt_tokens: int
+    start_s: float = 0.0  # when it was sent, from the start of its level
+    client: int = 0  # closed loop: which client sent it; open loop: its arrival order
     round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
 
 
@@ -50,6 +53,9 @@ class LevelResult:
     # Closed loop: TTFT p50 of each round (the first arrives at once, later ones as requests
     # finish); empty in open loop.
     ttft_p50_by_round_s: list[float]
+    # Every request in the order it finished: when it was sent and how it went, to see how
+    # arrivals bunch up.
+    request_results: list[RequestResult]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -93,17 +99,23 @@ class LevelRun:
     client: Any
     model: str
     output_len: int
+    start: float = field(default_factory=time.perf_counter)
     results: list[RequestResult] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
-    async def send(self, prompt: list[int], round: int = 0) -> None:
+    async def send(self, prompt: list[int], client: int, round: int = 0) -> None:
+        start_s = time.perf_counter() - self.start
         try:
             result = await one_request(self.client, self.model, prompt, self.output_len)
         except Exception as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
             return
-        result.round = round
+        result.start_s, result.client, result.round = start_s, client, round
         self.results.append(result)
+
+    @property
+    def wall_s(self) -> float:
+        return time.perf_counter() - self.start
 
 
 def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
@@ -112,13 +124,12 @@ def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> 
 
 
 def summarize(
-    results: list[RequestResult],
-    errors: list[str],
-    wall: float,
+    level: LevelRun,
     concurrency: int | None = None,
     request_rate: float | None = None,
     rounds: int = 0,
 ) -> LevelResult:
+    results, errors, wall = level.results, level.errors, level.wall_s
     if errors:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     ttfts = [r.ttft_s for r in results]
@@ -143,6 +154,7 @@ def summarize(
             round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
             for k in range(rounds)
         ],
+        request_results=results,
     )
 
 
@@ -155,12 +167,10 @@ async def run_level(
 
     async def client_loop(index: int) -> None:
         for k in range(per_client):
-            await level.send(prompts[index * per_client + k], round=k)
+            await level.send(prompts[index * per_client + k], index, round=k)
 
-    start = time.perf_counter()
     await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
-    wall = time.perf_counter() - start
-    return summarize(level.results, level.errors, wall, concurrency=concurrency, rounds=per_client)
+    return summarize(level, concurrency=concurrency, rounds=per_client)
 
 
 async def run_rate_level(
@@ -171,14 +181,14 @@ async def run_rate_level(
     arrivals = itertools.accumulate(rng.expovariate(rate) for _ in prompts)
     level = LevelRun(client, model, args.output_len)
 
-    async def arrive(prompt: list[int], at: float) -> None:
+    async def arrive(index: int, prompt: list[int], at: float) -> None:
         await asyncio.sleep(at)
-        await level.send(prompt)
+        await level.send(prompt, index)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(arrive(p, at) for p, at in zip(prompts, arrivals, strict=True)))
-    wall = time.perf_counter() - start
-    return summarize(level.results, level.errors, wall, request_rate=rate)
+    await asyncio.gather(
+        *(arrive(i, p, at) for i, (p, at) in enumerate(zip(prompts, arrivals, strict=True)))
+    )
+    return summarize(level, request_rate=rate)
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -204,7 +214,8 @@ async def run(args: argparse.Namespace) -> dict:
     for level_run in runs:
         level = await level_run
         levels.append(level)
-        print(json.dumps(asdict(level)), file=sys.stderr, flush=True)
+        summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
+        print(json.dumps(summary), file=sys.stderr, flush=True)
     await client.close()
     return {
         "base_url": args.base_url,

@@ -38,6 +38,7 @@ def test_open_loop_sends_every_request_at_each_rate(server, tmp_path, capsys):
         assert abs(level["output_tok_per_s"] * level["wall_s"] - 5 * 6) < 0.05 * 30
         assert 0 < level["ttft_p50_s"] <= level["ttft_max_s"]
         assert level["ttft_p50_by_round_s"] == []
+        assert sorted(r["client"] for r in level["request_results"]) == list(range(5))
     assert "| 100 req/s | 5 |" in capsys.readouterr().out
 
 
@@ -61,6 +62,12 @@ def test_sweep_reports_every_level(server, tmp_path, capsys):
         assert level["e2e_p50_s"] >= level["ttft_p50_s"]
         rounds = level["ttft_p50_by_round_s"]
         assert len(rounds) == 2 and all(0 < t <= level["ttft_max_s"] for t in rounds)
+        # Each client sends its next request only after the previous one finished.
+        sent = {(r["client"], r["round"]): r for r in level["request_results"]}
+        assert sorted(sent) == [(c, k) for c in range(level["concurrency"]) for k in range(2)]
+        for c in range(level["concurrency"]):
+            first, second = sent[c, 0], sent[c, 1]
+            assert 0 <= first["start_s"] < first["start_s"] + first["e2e_s"] <= second["start_s"]
     assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
 
 
