@@ -46,20 +46,6 @@ class BlockManager:
     def blocks_for_prefill(self, seq: Sequence) -> list[int]:
         return [cdiv(n, self.block_size) for n in self.prefill_kv_lens(seq)]
 
-    def why_never_fits(self, seq: Sequence) -> str | None:
-        """Why the sequence could not finish even alone in the cache, or None if it can."""
-        for group, pool in zip(self.plan.groups, self.pools, strict=True):
-            prefill = seq.num_prefill_tokens
-            peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
-            need = cdiv(peak, self.block_size)
-            if need > pool.num_blocks:
-                return (
-                    f"the prompt plus max_tokens needs {need} KV blocks in layer group "
-                    f"{group.name!r}, whose pool has {pool.num_blocks}; shorten the request or "
-                    f"raise kv_cache_memory_gb"
-                )
-        return None
-
     def can_allocate(self, seq: Sequence) -> bool:
         return all(
             need <= pool.num_free

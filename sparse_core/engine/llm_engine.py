@@ -17,6 +17,7 @@ from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
@@ -100,6 +101,14 @@ class LLMEngine:
             self.plan, blocks, config.block_size, config.max_num_seqs, config.max_model_len
         )
         self.scheduler = Scheduler(config, self.block_manager)
+        self.checker = RequestChecker(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            config.max_model_len,
+            self.plan,
+            blocks,
+            config.block_size,
+        )
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
@@ -160,34 +169,7 @@ class LLMEngine:
         """Validate and tokenise a request; raises ValueError naming the problem."""
         if request_id in self.sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if not token_ids:
-            raise ValueError("prompt is empty")
-        prefix = params.compress_prefix_len
-        if prefix is not None and prefix > len(token_ids):
-            raise ValueError(
-                f"compress_prefix_len ({prefix}) exceeds the prompt's {len(token_ids)} tokens; it "
-                f"counts the prompt tokens to prefill and compress before the rest is fed"
-            )
-        limit = self.config.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
-                f"room for at least one generated token"
-            )
-        seq = Sequence(request_id, token_ids, params, len(self.plan.groups), prompt=text)
-        reason = self.block_manager.why_never_fits(seq)
-        if reason is not None:
-            raise ValueError(reason)
-        return seq
+        return self.checker.make_sequence(request_id, prompt, params)
 
     def add_sequence(self, seq: Sequence) -> None:
         self.sequences[seq.request_id] = seq

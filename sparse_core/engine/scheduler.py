@@ -85,7 +85,7 @@ class Scheduler:
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
-                else:  # alone and no room: requests are checked with why_never_fits, so unreachable
+                else:  # alone and no room: RequestChecker.why_never_fits rules this out
                     self._preempt(seq)
                     break
             else:

@@ -1,0 +1,69 @@
+"""Request validation from an engine's fixed facts (limits, vocabulary, pool sizes), with no
+engine state: a front end in another process checks a request exactly as the engine would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparse_core.cache.block_manager import cdiv
+from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.engine.sequence import Sequence
+from sparse_core.models.tokenizer import Tokenizer
+from sparse_core.policy import LayerPlan
+
+
+@dataclass
+class RequestChecker:
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    plan: LayerPlan
+    blocks_per_group: list[int]
+    block_size: int
+
+    def make_sequence(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> Sequence:
+        """Validate and tokenise a request; raises ValueError naming the problem."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            vocab = self.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        prefix = params.compress_prefix_len
+        if prefix is not None and prefix > len(token_ids):
+            raise ValueError(
+                f"compress_prefix_len ({prefix}) exceeds the prompt's {len(token_ids)} tokens; it "
+                f"counts the prompt tokens to prefill and compress before the rest is fed"
+            )
+        limit = self.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
+                f"room for at least one generated token"
+            )
+        seq = Sequence(request_id, token_ids, params, len(self.plan.groups), prompt=text)
+        reason = self.why_never_fits(seq)
+        if reason is not None:
+            raise ValueError(reason)
+        return seq
+
+    def why_never_fits(self, seq: Sequence) -> str | None:
+        """Why the sequence could not finish even alone in the cache, or None if it can."""
+        for group, num_blocks in zip(self.plan.groups, self.blocks_per_group, strict=True):
+            prefill = seq.num_prefill_tokens
+            peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
+            need = cdiv(peak, self.block_size)
+            if need > num_blocks:
+                return (
+                    f"the prompt plus max_tokens needs {need} KV blocks in layer group "
+                    f"{group.name!r}, whose pool has {num_blocks}; shorten the request or "
+                    f"raise kv_cache_memory_gb"
+                )
+        return None
