@@ -4,7 +4,8 @@
 #   bash scripts/bench_gpu.sh [STEP ...]
 #       (default: tests cap24 uncapped serve-snapkv serve-dense kernels hf)
 #
-#   tests          GPU tests: Triton kernels against the references, the engine on CUDA
+#   tests          GPU tests: Triton kernels against the references, the engine on CUDA (and in
+#                  its own process, as servers run it)
 #   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
 #   uncapped       bench throughput, dense / snapkv, no cap
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
@@ -37,6 +38,7 @@ mkdir -p "$OUT"
 
 step_tests() {
     python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py tests/test_triton_kernels.py \
+        tests/test_engine_process.py \
         2>&1 | tail -5
 }
 

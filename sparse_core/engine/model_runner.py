@@ -7,6 +7,7 @@ rank runs `execute`; only rank 0 samples.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -289,7 +290,9 @@ class ModelRunner:
 
         Runs max_num_batched_tokens of prompts of max_model_len tokens together with
         max_num_seqs decoding rows, every slot at -1 so nothing is cached; the caches are
-        placeholders of one block.
+        placeholders of one block. Sparse groups compress the prompts as in serving, so the
+        scoring buffers are counted and the scoring and compaction kernels compiled now rather
+        than on the first request.
         """
         self._on_workers("profile_activation_bytes")
         cfg, config = self.model.config, self.config
@@ -308,14 +311,22 @@ class ModelRunner:
         for n in lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
         num_groups, rows = len(self.plan.groups), config.max_num_seqs
+        compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
+        for g, group in enumerate(self.plan.groups):
+            for start, end in itertools.pairwise(cu_seqlens):
+                kept = group.kept_tokens(end - start)
+                if kept < end - start:
+                    compress_bounds[g].append((start, end))
+                    compress_slots[g] += [-1] * kept
         prefill = PrefillBatch(
             input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
             positions=[p for n in lens for p in range(n)],
             cu_seqlens=cu_seqlens,
             max_seqlen=max(lens),
             slot_mappings=[[-1] * total for _ in range(num_groups)],
-            compress_bounds=[[] for _ in range(num_groups)],
-            compress_slots=[[] for _ in range(num_groups)],
+            compress_bounds=compress_bounds,
+            compress_slots=compress_slots,
         )
         decode = DecodeBatch(
             input_ids=[0] * rows,
