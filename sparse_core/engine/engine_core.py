@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -22,8 +23,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
+from sparse_core.engine.model_runner import resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sequence import Sequence
@@ -216,6 +220,11 @@ def engine_process_main(config: EngineConfig, sparsity: SparsityConfig, conn: Co
     until told to stop or until the parent goes away (its end of the pipe closes)."""
     # Ctrl-C in a terminal reaches every process of the group: the parent decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if resolve_device(config.device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # The host work of a GPU step is tiny tensors; a pool of CPU threads per op only spins
+        # against the server's processes. Measured on an H200 serving 20 clients: decode steps
+        # took 10.9 ms with torch's default of one thread per core (16) and 6.5 ms with one.
+        torch.set_num_threads(1)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -270,7 +270,8 @@ class ModelRunner:
                 DecodeGroupMetadata(
                     slot_mapping=self._tensor(slots),
                     block_tables=tables.to(self.device),
-                    context_lens=self._tensor(lens),
+                    # int32 as in the decode graphs' buffers: one compiled kernel for both
+                    context_lens=self._tensor(lens, torch.int32),
                     max_context_len=max(lens),
                 )
                 for slots, tables, lens in zip(
@@ -279,8 +280,8 @@ class ModelRunner:
             ]
         )
 
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     # -- GPU start-up ---------------------------------------------------------------------------
 
