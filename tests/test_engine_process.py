@@ -4,6 +4,8 @@ start-up errors raised to the caller, and no process left behind."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -93,3 +95,21 @@ def test_the_engine_process_exits_when_its_parent_dies():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
     assert wait_for_exit(int(done.stdout.split()[-1]))
+
+
+def test_a_request_in_flight_fails_when_the_engine_process_dies():
+    llm = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=True)
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def kill_after_first_output():
+        async for _ in llm.generate(list(range(1, 80)), params):
+            os.kill(llm._core.process.pid, signal.SIGKILL)
+
+    try:
+        with pytest.raises(RuntimeError, match="engine process stopped"):
+            asyncio.run(asyncio.wait_for(kill_after_first_output(), timeout=60))
+        assert not llm.is_running
+        with pytest.raises(RuntimeError, match="engine process has stopped"):
+            asyncio.run(kill_after_first_output())
+    finally:
+        llm.shutdown()

@@ -21,7 +21,7 @@ from sparse_core.distributed.parallel_state import (
     init_tensor_parallel,
     rank_device,
 )
-from sparse_core.engine.model_runner import ModelRunner, resolve_device
+from sparse_core.engine.model_runner import ModelRunner, resolve_device, use_one_host_thread
 from sparse_core.models.config import ModelConfig
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.policy import plan_layers
@@ -62,6 +62,7 @@ def worker_main(
         device = rank_device(resolve_device(config.device), rank, world_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+            use_one_host_thread()
         else:  # CPU ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         store = dist.TCPStore(MASTER_ADDR, store_port, world_size, is_master=False)

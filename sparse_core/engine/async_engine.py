@@ -88,9 +88,9 @@ class AsyncLLM:
         request_id = seq.request_id
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._core.send(("add", seq))
         finished = False
         try:
+            self._core.send(("add", seq))
             while True:
                 item = await stream.get()
                 # Outputs are cumulative: a consumer that fell behind gets only the newest.

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
-import os
 import queue
 import signal
 import threading
@@ -23,11 +22,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.model_runner import resolve_device
+from sparse_core.engine.model_runner import resolve_device, use_one_host_thread
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sequence import Sequence
@@ -174,19 +171,28 @@ class ProcessEngineCore:
             try:
                 self._conn.send((kind, arg))
             except (BrokenPipeError, OSError):
-                if kind != "stop":
+                if kind == "add":  # an abort or stop of a stopped engine has nothing to do
+                    self._requests.pop(arg[0], None)
                     raise RuntimeError("the engine process has stopped") from None
 
     def _read(self) -> None:
+        stats = self.initial_stats
         while True:
             try:
                 deltas, errors, stats = self._conn.recv()
             except (EOFError, OSError):
-                return
+                break
             outputs = [self._whole(delta) for delta in deltas]
             for request_id, _ in errors:
                 self._requests.pop(request_id, None)
             self._publish(StepResult(outputs, errors, stats))
+        # The engine process is gone (stopped, or died): no request in flight may wait forever.
+        self.process.join(timeout=SHUTDOWN_TIMEOUT_S)
+        message = f"the engine process stopped (exit code {self.process.exitcode})"
+        errors = [(request_id, message) for request_id in list(self._requests)]
+        self._requests.clear()
+        if errors:
+            self._publish(StepResult([], errors, stats))
 
     def _whole(self, delta: RequestOutput) -> RequestOutput:
         prompt, prompt_ids, token_ids = self._requests[delta.request_id]
@@ -220,11 +226,8 @@ def engine_process_main(config: EngineConfig, sparsity: SparsityConfig, conn: Co
     until told to stop or until the parent goes away (its end of the pipe closes)."""
     # Ctrl-C in a terminal reaches every process of the group: the parent decides when to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if resolve_device(config.device).type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # The host work of a GPU step is tiny tensors; a pool of CPU threads per op only spins
-        # against the server's processes. Measured on an H200 serving 20 clients: decode steps
-        # took 10.9 ms with torch's default of one thread per core (16) and 6.5 ms with one.
-        torch.set_num_threads(1)
+    if resolve_device(config.device).type == "cuda":
+        use_one_host_thread()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -8,6 +8,7 @@ rank runs `execute`; only rank 0 samples.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,6 +48,15 @@ def resolve_device(name: str | None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+def use_one_host_thread() -> None:
+    """For a process that drives a GPU: one torch CPU thread, unless OMP_NUM_THREADS says
+    otherwise. Its host work is tiny tensors, on which a pool of threads (torch's default: one
+    per core) only spins against the other processes of a server. Measured on an H200 serving 20
+    clients: decode steps took 10.9 ms with 16 threads and 6.5 ms with one."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
