@@ -132,7 +132,7 @@ class EngineDeployment:
 
     def check_health(self) -> None:
         if not self.worker.healthy():
-            raise RuntimeError("the engine thread has stopped")
+            raise RuntimeError("the engine has stopped")
 
     def ping(self) -> bool:
         return self.worker.healthy()

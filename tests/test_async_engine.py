@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from itertools import pairwise
 
 import pytest
 
@@ -28,10 +29,14 @@ async def collect(engine, prompt, params):
     return outs
 
 
-def test_stream_yields_every_step_and_finishes(engine):
+def test_stream_yields_growing_outputs_and_finishes(engine):
+    """One output per step, cumulative; a consumer that falls behind the engine gets the newest
+    only, so steps may be skipped but never repeated or reordered."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = asyncio.run(collect(engine, list(range(1, 100)), params))
-    assert [len(o.token_ids) for o in outs] == list(range(1, 13))
+    lengths = [len(o.token_ids) for o in outs]
+    assert lengths == sorted(set(lengths)) and lengths[-1] == 12
+    assert all(o.token_ids[: len(a.token_ids)] == a.token_ids for a, o in pairwise(outs))
     assert outs[-1].finished and outs[-1].finish_reason == "length"
     assert not any(o.finished for o in outs[:-1])
 
@@ -79,3 +84,30 @@ def test_invalid_request_raises_before_streaming(engine):
 
     with pytest.raises(ValueError, match="prompt is empty"):
         asyncio.run(bad())
+
+
+def test_a_request_id_is_reused_only_after_its_request_ended(engine):
+    """A consumer that went away leaves its request's abort on the way back; a new request
+    with the same id meanwhile is refused, and one after it gets its own outputs only."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, 50))
+
+    async def scenario():
+        first = engine.generate(prompt, params, request_id="same")
+        await anext(first)
+        await first.aclose()  # aborts; the engine's abort output comes back later
+        again = None
+        for _ in range(200):
+            try:
+                again = engine.generate(prompt, params, request_id="same")
+                break
+            except ValueError as exc:
+                assert "already in use" in str(exc)
+                await asyncio.sleep(0.01)
+        return [out async for out in again]
+
+    outs = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    alone = asyncio.run(collect(engine, prompt, params))
+    assert all(o.finish_reason is None for o in outs[:-1])
+    assert outs[-1].finish_reason == "length"
+    assert outs[-1].token_ids == alone[-1].token_ids and len(alone[-1].token_ids) == 6

@@ -37,6 +37,10 @@ class AsyncLLM:
         if engine_process is None:
             engine_process = resolve_device(config.device).type == "cuda"
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Ids given to the engine whose last output (finished, aborted or failed) has not come
+        # back yet: an id is not reused before, or the engine's outputs of the old request would
+        # reach the new one.
+        self._in_flight: set[str] = set()
         self._ids = itertools.count()
         self._core: ThreadEngineCore | ProcessEngineCore
         if engine_process:
@@ -80,13 +84,18 @@ class AsyncLLM:
         disconnected), the request is aborted and its blocks freed.
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_unused(request_id)
         return self._stream(self.checker.make_sequence(request_id, prompt, params))
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self._in_flight:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     async def _stream(self, seq: Sequence) -> AsyncGenerator[RequestOutput, None]:
         request_id = seq.request_id
+        self._check_unused(request_id)  # again: two streams of one id may both be unstarted
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._in_flight.add(request_id)
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         finished = False
         try:
@@ -127,6 +136,8 @@ class AsyncLLM:
             if target is not None:
                 loop, stream = target
                 by_loop.setdefault(loop, []).append((stream, item))
+            if not isinstance(item, RequestOutput) or item.finished:
+                self._in_flight.discard(request_id)  # only now may the id be used again
         for loop, deliveries in by_loop.items():
             loop.call_soon_threadsafe(_deliver, deliveries)
 

@@ -124,9 +124,9 @@ class ModelRunner:
         self.model.eval()
         self.graphs: DecodeGraphs | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
-        random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
+        self.random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
         for attn in self.model.attention_layers:
-            attn.generator = random_policy_generator
+            attn.generator = self.random_policy_generator
 
     @property
     def num_kv_heads(self) -> int:
@@ -346,11 +346,14 @@ class ModelRunner:
             block_tables=[torch.zeros((rows, 1), dtype=torch.int32) for _ in range(num_groups)],
             context_lens=[[1] * rows for _ in range(num_groups)],
         )
+        # The `random` policy's draws after start-up do not depend on this step.
+        random_state = self.random_policy_generator.get_state()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         self._forward(StepBatch(prefill, decode))
         torch.cuda.synchronize(self.device)
+        self.random_policy_generator.set_state(random_state)
         return torch.cuda.max_memory_allocated(self.device) - before
 
     def capture_decode_graphs(self) -> None:

@@ -106,7 +106,7 @@ def _prefill_key_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_lh"])  # the step's token count; see _window_scores_kernel
 def _prefill_kernel(
     q_ptr,
     k_ptr,
@@ -237,10 +237,11 @@ def prefill_attention(
 
 
 # Triton compiles a variant for each new specialisation of an integer argument (equal to 1,
-# divisible by 16, or neither). Arguments that vary from request to request (prompt lengths, row
-# counts, the width of a step's block tables) are left unspecialised, so that serving never
-# stops to compile a kernel after start-up (each compile stalled a step by 0.6-0.9 s on an H200).
-@triton.jit(do_not_specialize=["num_scored"])
+# divisible by 16, or neither). Arguments that vary from request to request (prompt lengths, a
+# step's token count, row counts, the width of a step's block tables), and the strides that equal
+# them, are left unspecialised, so that serving never stops to compile a kernel after start-up
+# (each compile stalled a step by 0.6-1.2 s on an H200).
+@triton.jit(do_not_specialize=["num_scored", "stride_lh", "stride_oh"])
 def _window_scores_kernel(
     q_ptr,
     k_ptr,
@@ -574,7 +575,7 @@ def _copy_rows(src_ptr, dst_ptr, src_off, dst_off, ok, HEAD_DIM: tl.constexpr):
     )
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # see _window_scores_kernel
+@triton.jit(do_not_specialize=["num_rows", "stride_ih"])  # see _window_scores_kernel
 def _move_tokens_kernel(
     src_k_ptr,
     src_v_ptr,
