@@ -45,6 +45,30 @@ def test_outputs_match_the_engine_on_a_thread():
         assert in_process.kv_tokens_per_group == on_thread.kv_tokens_per_group
 
 
+def test_text_cut_by_a_stop_string_matches_the_engine_on_a_thread():
+    """Text crosses as characters appended to what was sent; a stop string cuts text that was
+    already sent, and the whole text must still come out the same."""
+    prompt = [(j * 7) % 250 + 1 for j in range(70)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    on_thread = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=False)
+    in_process = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=True)
+    try:
+        full = asyncio.run(final_outputs(on_thread, [prompt], greedy))[0].text
+        stop = full[len(full) // 2 : len(full) // 2 + 3]
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop])
+        expected = asyncio.run(final_outputs(on_thread, [prompt], params))[0]
+        got = asyncio.run(final_outputs(in_process, [prompt], params))[0]
+    finally:
+        on_thread.shutdown()
+        in_process.shutdown()
+    assert expected.finish_reason == "stop" and len(expected.text) < len(full)
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        expected.text,
+        expected.token_ids,
+        expected.finish_reason,
+    )
+
+
 def test_a_start_up_error_is_raised_to_the_caller():
     with pytest.raises(ValueError, match="unknown dummy preset 'nope'"):
         AsyncLLM.from_config(EngineConfig(model="dummy:nope"), SPARSITY, engine_process=True)
