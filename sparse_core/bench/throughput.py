@@ -21,6 +21,7 @@ import torch
 
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
+from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
 
 
@@ -218,6 +219,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        use_one_host_thread()  # as the server's engine process does
     device_name = torch.cuda.get_device_name() if on_gpu else "cpu"
     # No roofline on CPU: the run is then only a smoke test of the benchmark itself.
     bandwidth = measure_copy_bandwidth(torch.device("cuda")) if on_gpu else 0.0
