@@ -52,7 +52,7 @@ class EngineWorker:
         engine: str = "native",
     ) -> EngineWorker:
         if engine == "native":
-            llm = AsyncLLM.from_config(engine_config, sparsity)
+            llm = AsyncLLM(engine_config, sparsity)
         elif engine == "vllm":
             from service.vllm_engine import VllmAsyncLLM
 

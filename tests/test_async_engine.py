@@ -15,7 +15,7 @@ def engine(request):
     """The engine on a thread of this process, and in a process of its own (the GPU default)."""
     config = EngineConfig(model="dummy:tiny", max_model_len=512, kv_cache_memory_gb=0.01)
     sparsity = SparsityConfig(policy="snapkv", budget=40, window=8, full_layers=1)
-    llm = AsyncLLM.from_config(config, sparsity, engine_process=request.param)
+    llm = AsyncLLM(config, sparsity, engine_process=request.param)
     yield llm
     llm.shutdown()
 

@@ -31,7 +31,7 @@ def test_outputs_match_the_engine_on_a_thread():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     results = {}
     for engine_process in (False, True):
-        llm = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=engine_process)
+        llm = AsyncLLM(CONFIG, SPARSITY, engine_process=engine_process)
         try:
             results[engine_process] = asyncio.run(final_outputs(llm, prompts, params))
         finally:
@@ -50,8 +50,8 @@ def test_text_cut_by_a_stop_string_matches_the_engine_on_a_thread():
     already sent, and the whole text must still come out the same."""
     prompt = [(j * 7) % 250 + 1 for j in range(70)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    on_thread = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=False)
-    in_process = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=True)
+    on_thread = AsyncLLM(CONFIG, SPARSITY, engine_process=False)
+    in_process = AsyncLLM(CONFIG, SPARSITY, engine_process=True)
     try:
         full = asyncio.run(final_outputs(on_thread, [prompt], greedy))[0].text
         stop = full[len(full) // 2 : len(full) // 2 + 3]
@@ -71,7 +71,7 @@ def test_text_cut_by_a_stop_string_matches_the_engine_on_a_thread():
 
 def test_a_start_up_error_is_raised_to_the_caller():
     with pytest.raises(ValueError, match="unknown dummy preset 'nope'"):
-        AsyncLLM.from_config(EngineConfig(model="dummy:nope"), SPARSITY, engine_process=True)
+        AsyncLLM(EngineConfig(model="dummy:nope"), SPARSITY, engine_process=True)
 
 
 def pid_alive(pid: int) -> bool:
@@ -94,7 +94,7 @@ def wait_for_exit(pid: int, timeout_s: float = 20.0) -> bool:
 
 
 def test_shutdown_stops_the_engine_process():
-    llm = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=True)
+    llm = AsyncLLM(CONFIG, SPARSITY, engine_process=True)
     pid = llm._core.process.pid
     assert llm.is_running
     llm.shutdown()
@@ -108,7 +108,7 @@ def test_the_engine_process_exits_when_its_parent_dies():
         """
         import os, sys
         from sparse_core import AsyncLLM, EngineConfig, SparsityConfig
-        llm = AsyncLLM.from_config(EngineConfig(model="dummy:tiny", max_model_len=256,
+        llm = AsyncLLM(EngineConfig(model="dummy:tiny", max_model_len=256,
                                                 kv_cache_memory_gb=0.01),
                                    SparsityConfig(), engine_process=True)
         print(llm._core.process.pid, flush=True)
@@ -122,7 +122,7 @@ def test_the_engine_process_exits_when_its_parent_dies():
 
 
 def test_a_request_in_flight_fails_when_the_engine_process_dies():
-    llm = AsyncLLM.from_config(CONFIG, SPARSITY, engine_process=True)
+    llm = AsyncLLM(CONFIG, SPARSITY, engine_process=True)
     params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
 
     async def kill_after_first_output():

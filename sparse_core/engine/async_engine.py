@@ -51,12 +51,6 @@ class AsyncLLM:
         self.checker = self._core.checker
         self._stats = self._core.initial_stats
 
-    @classmethod
-    def from_config(
-        cls, config: EngineConfig, sparsity: SparsityConfig, engine_process: bool | None = None
-    ) -> AsyncLLM:
-        return cls(config, sparsity, engine_process)
-
     @property
     def tokenizer(self):
         return self.checker.tokenizer
