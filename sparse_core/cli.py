@@ -25,8 +25,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-batched-tokens",
         type=int,
         default=None,
-        help="prompt tokens prefilled per step; prompts are whole, so at least --max-model-len "
-        "(default: the larger of --max-model-len and 8192)",
+        help="prompt tokens prefilled per step; without chunked prefill prompts are whole, so "
+        "at least --max-model-len (default: the larger of --max-model-len and 8192)",
+    )
+    engine.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefill a prompt that does not fit a step in chunks over several steps",
     )
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
@@ -86,6 +92,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -104,8 +104,12 @@ class EngineConfig:
     expected_input_len / expected_output_len: the typical request, used to split KV memory
       between layer groups so that every group runs out at the same number of sequences.
     max_num_batched_tokens: prompt tokens prefilled per step (the running sequences' decode
-      tokens join them in the same forward pass); prompts are prefilled whole, so it is at least
-      max_model_len.
+      tokens join them in the same forward pass). Without chunked prefill prompts are prefilled
+      whole, so it is at least max_model_len.
+    enable_chunked_prefill: a prompt that does not fit what is left of a step is prefilled in
+      chunks over the next steps, so that running sequences keep decoding while it is. Until its
+      last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
+      groups shrink to their budget after it).
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
@@ -115,6 +119,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int = 8192
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = False
     block_size: int = 16
     kv_cache_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9
@@ -134,10 +139,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 8192)
-        if self.max_num_batched_tokens < self.max_model_len:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}): prompts are prefilled in one step"
+                f"max_model_len ({self.max_model_len}): without enable_chunked_prefill prompts "
+                f"are prefilled in one step"
             )
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")

@@ -124,15 +124,25 @@ class PromptBatch:
     """Prompts packed in a prefill step: host bounds, and the same on the device (built once per
     step, so the layers do no host-to-device copies, which would stall the launch queue)."""
 
-    bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed step
+    bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed keys
     starts: torch.Tensor
     lengths: torch.Tensor
+    # Where each prompt's window queries end in the packed queries: the ends of `bounds`, unless
+    # the step's keys are packed apart from its queries (a prompt's last chunk, whose earlier
+    # chunks' keys were gathered from the cache).
+    query_ends: list[int]
 
     @classmethod
-    def from_bounds(cls, bounds: list[tuple[int, int]], device: torch.device) -> PromptBatch:
+    def from_bounds(
+        cls,
+        bounds: list[tuple[int, int]],
+        device: torch.device,
+        query_ends: list[int] | None = None,
+    ) -> PromptBatch:
         host = torch.tensor(bounds, dtype=torch.int64).view(-1, 2)
         on_device = host.to(device)
-        return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0])
+        ends = [end for _, end in bounds] if query_ends is None else query_ends
+        return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0], ends)
 
 
 def select_kept_tokens(
@@ -149,7 +159,7 @@ def select_kept_tokens(
 ) -> torch.Tensor:
     """Rows of the packed K/V that a layer keeps, per KV head, for several prompts at once.
 
-    q [T, Hq, D] and k [T, Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
+    q [T, Hq, D] and k [T', Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
     lse [Hq, T] the attention kernel's row LSE, or None to compute the window rows' LSE here;
     prompts: the prompts to compress (each longer than the budget);
     kv_heads: (first, total) when k holds only some of the model's KV heads (tensor parallelism).
@@ -172,7 +182,8 @@ def select_kept_tokens(
         kept = positions.unsqueeze(1).expand(-1, k.shape[1], -1)
     else:
         scores = [
-            _window_scores(sparsity, q, k, lse, b, scale, ops, generator, kv_heads) for b in bounds
+            _window_scores(sparsity, q, k, lse, b, e, scale, ops, generator, kv_heads)
+            for b, e in zip(bounds, prompts.query_ends, strict=True)
         ]
         kept = _top_tokens(sparsity, budget, scores, lengths)
     rows = kept + starts.view(-1, 1, 1)  # [S, Hkv, budget]
@@ -185,12 +196,14 @@ def _window_scores(
     k: torch.Tensor,
     lse: torch.Tensor | None,
     bounds: tuple[int, int],
+    query_end: int,
     scale: float,
     ops: KernelOps,
     generator: torch.Generator | None,
     kv_heads: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """[Hkv, n - window] scores of one prompt's non-window tokens."""
+    """[Hkv, n - window] scores of one prompt's non-window tokens: keys k[bounds], window
+    queries q[query_end - window : query_end]."""
     start, end = bounds
     window = sparsity.window
     if sparsity.policy == "random":
@@ -198,8 +211,12 @@ def _window_scores(
         first, total = kv_heads or (0, k.shape[1])
         scores = torch.rand(total, end - start - window, generator=generator)
         return scores[first : first + k.shape[1]].to(k.device)
-    q_win, keys = q[end - window : end], k[start:end]
-    lse_win = ops.window_lse(q_win, keys, scale) if lse is None else lse[:, end - window : end]
+    q_win, keys = q[query_end - window : query_end], k[start:end]
+    lse_win = (
+        ops.window_lse(q_win, keys, scale)
+        if lse is None
+        else lse[:, query_end - window : query_end]
+    )
     return ops.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)
 
 

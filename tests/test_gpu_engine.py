@@ -22,7 +22,9 @@ pytestmark = [
 SPARSITY = SparsityConfig(policy="snapkv", budget=256, window=32, full_layers=3)
 
 
-def generate(monkeypatch, reference: bool, enforce_eager: bool) -> list[list[int]]:
+def generate(
+    monkeypatch, reference: bool, enforce_eager: bool, chunked: bool = False
+) -> list[list[int]]:
     if reference:
         monkeypatch.setattr(model_runner, "get_ops", lambda device: REFERENCE_OPS)
     llm = LLM(
@@ -34,6 +36,9 @@ def generate(monkeypatch, reference: bool, enforce_eager: bool) -> list[list[int
         max_num_seqs=16,
         kv_cache_memory_gb=1.0,
         enforce_eager=enforce_eager,
+        # Chunked: prompts of 300-688 tokens in chunks of at most 256, beside other prompts.
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=256 if chunked else None,
     )
     prompts = [[(i * 131 + j * 7) % 49152 for j in range(300 + 97 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -54,6 +59,13 @@ def test_triton_path_matches_reference_path(monkeypatch):
     triton_tokens = generate(monkeypatch, reference=False, enforce_eager=True)
     reference_tokens = generate(monkeypatch, reference=True, enforce_eager=True)
     assert triton_tokens == reference_tokens
+
+
+def test_chunked_prefill_matches_whole_prompts(monkeypatch):
+    """Triton path: attention over cached chunks, scoring over keys gathered from the cache."""
+    assert generate(monkeypatch, False, enforce_eager=False, chunked=True) == generate(
+        monkeypatch, False, enforce_eager=False
+    )
 
 
 def test_cuda_graphs_match_eager(monkeypatch):

@@ -65,6 +65,23 @@ def test_prefill_attention_matches_sdpa_on_packed_sequences():
         start += n
 
 
+def test_a_chunk_after_cached_keys_attends_like_the_whole_sequence():
+    """Queries that are a sequence's last tokens, with all its keys: the rows of the whole
+    sequence's causal attention, through both the oracle and the SDPA path."""
+    torch.manual_seed(1)
+    # Two sequences of 40 and 23 tokens; the queries are the first's last 15, the second's all.
+    cu = torch.tensor([0, 40, 63])
+    q, k, v = torch.randn(63, 4, 8), torch.randn(63, 2, 8), torch.randn(63, 2, 8)
+    whole_out, whole_lse = ref.prefill_attention(q, k, v, cu, 0.3)
+    rows = torch.cat([torch.arange(25, 40), torch.arange(40, 63)])
+    cu_q = torch.tensor([0, 15, 38])
+    out, lse = ref.prefill_attention(q[rows], k, v, cu_q, 0.3, cu_seqlens_k=cu)
+    torch.testing.assert_close(out, whole_out[rows])
+    torch.testing.assert_close(lse, whole_lse[:, rows])
+    sdpa = ref.causal_attention(q[rows], k, v, cu_q, 0.3, cu_seqlens_k=cu)
+    torch.testing.assert_close(sdpa, whole_out[rows], rtol=1e-4, atol=1e-5)
+
+
 def test_pooling_keeps_length_and_smooths():
     scores = torch.zeros(2, 11)
     scores[:, 5] = 7.0

@@ -1,5 +1,5 @@
 """Randomised workloads: arrivals, aborts, preemptions and stops never leak or share a block,
-with whole prompts and prompts split by compress_prefix_len; and a preempted split request
+with whole prompts, prompts split by compress_prefix_len and prompts prefilled in chunks; and a preempted split request
 recomputes to the same output."""
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ SPARSITIES = {
 }
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
 @pytest.mark.parametrize("name", list(SPARSITIES))
-def test_random_workload_keeps_every_pool_consistent(name):
+def test_random_workload_keeps_every_pool_consistent(name, chunked):
     rng = random.Random(zlib.crc32(name.encode()))  # hash() of a str differs per process
     llm = LLM(
         "dummy:tiny",
         sparsity=SPARSITIES[name],
         max_model_len=512,
         max_num_seqs=12,
+        # Chunked: prompts (up to 200 tokens) share steps of 64 prompt tokens.
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=64 if chunked else None,
         # Small enough that decode growth forces preemptions.
         kv_cache_memory_gb=0.0006,
         expected_input_len=150,

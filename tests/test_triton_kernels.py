@@ -95,6 +95,25 @@ def test_prefill_attention_head_dims(head_dim: int) -> None:
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+def _chunks(query_lens: list[int], key_lens: list[int], num_q: int, num_kv: int, dtype):
+    """Prompt chunks: sequence i has key_lens[i] keys, its queries being the last query_lens[i]."""
+    q, _, _, cu_q = _packed(query_lens, num_q, num_kv, 32, dtype)
+    _, k, v, cu_k = _packed(key_lens, num_q, num_kv, 32, dtype)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_of_chunks_after_cached_keys(dtype: torch.dtype) -> None:
+    """Chunks with earlier keys: offsets inside a key tile, past several tiles, none at all."""
+    torch.manual_seed(3)
+    query_lens, key_lens = [37, 5, 40, 1, 9], [50, 5, 113, 70, 9]
+    q, k, v, cu_q, cu_k = _chunks(query_lens, key_lens, 4, 2, dtype)
+    out, lse = tk.prefill_attention(q, k, v, cu_q, 0.3, max(query_lens), cu_seqlens_k=cu_k)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu_q, 0.3, cu_seqlens_k=cu_k)
+    _close(out, ref_out, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_head_dim_must_be_power_of_two() -> None:
     q, k, v, cu = _packed([4], 2, 2, 48, torch.float32)
     with pytest.raises(ValueError, match="power of two"):
@@ -249,6 +268,18 @@ def test_gpu_prefill_4000_tokens() -> None:
     q, k, v, cu = _packed([4000, 1500, 37], 32, 8, 128, BF16)
     out, lse = tk.prefill_attention(q, k, v, cu, scale=128**-0.5)
     ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=128**-0.5)
+    _close(out, ref_out, BF16)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+@gpu
+@needs_cuda
+def test_gpu_prefill_of_a_chunk_after_3000_cached_tokens() -> None:
+    torch.manual_seed(12)
+    q, k, v, cu_q, cu_k = _chunks([1000, 2048, 1], [4000, 2100, 3001], 32, 8, BF16)
+    q, k, v = (x.repeat_interleave(4, dim=-1) for x in (q, k, v))  # head dim 128
+    out, lse = tk.prefill_attention(q, k, v, cu_q, 128**-0.5, 2048, cu_seqlens_k=cu_k)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu_q, 128**-0.5, cu_seqlens_k=cu_k)
     _close(out, ref_out, BF16)
     torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
 

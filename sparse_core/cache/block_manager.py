@@ -38,30 +38,42 @@ class BlockManager:
         ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
-    def prefill_kv_lens(self, seq: Sequence) -> list[int]:
-        """Tokens each group will hold after prefilling the sequence (prompt + any outputs,
-        when it is recomputed after preemption; or the prompt's compressed prefix)."""
-        return [group.kept_tokens(seq.num_prefill_tokens) for group in self.plan.groups]
+    def prefill_kv_lens(self, seq: Sequence, chunked: bool = False) -> list[int]:
+        """Tokens each group holds after prefilling the sequence (prompt + any outputs, when it
+        is recomputed after preemption; or the prompt's compressed prefix). While a chunked
+        prefill runs, every group holds all of it: the last chunk scores every token."""
+        n = seq.num_prefill_tokens
+        return [n if chunked else group.kept_tokens(n) for group in self.plan.groups]
 
-    def blocks_for_prefill(self, seq: Sequence) -> list[int]:
-        return [cdiv(n, self.block_size) for n in self.prefill_kv_lens(seq)]
-
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
         return all(
-            need <= pool.num_free
-            for pool, need in zip(self.pools, self.blocks_for_prefill(seq), strict=True)
+            cdiv(n, self.block_size) <= pool.num_free
+            for pool, n in zip(self.pools, self.prefill_kv_lens(seq, chunked), strict=True)
         )
 
-    def allocate(self, seq: Sequence) -> None:
-        lens = self.prefill_kv_lens(seq)
+    def allocate(self, seq: Sequence, chunked: bool = False) -> None:
+        lens = self.prefill_kv_lens(seq, chunked)
         seq.table_row = self._free_rows.pop()
+        seq.prefill_len = seq.num_prefill_tokens
+        seq.chunked_prefill = chunked
         for g, (pool, n) in enumerate(zip(self.pools, lens, strict=True)):
             blocks = pool.allocate(cdiv(n, self.block_size))
             seq.block_tables[g] = blocks
             seq.kv_lens[g] = n
             self.host_tables[g][seq.table_row, : len(blocks)] = torch.tensor(blocks)
         # Prompt tokens still to come (forced one per step) are kept whole.
-        seq.prompt_kv_lens = [n + seq.num_forced_prompt_tokens for n in lens]
+        seq.prompt_kv_lens = [n + seq.num_forced_prompt_tokens for n in self.prefill_kv_lens(seq)]
+
+    def end_chunked_prefill(self, seq: Sequence) -> None:
+        """After a chunked prompt's last chunk, which wrote each compressing group's kept tokens
+        to the front of its blocks: those groups free the rest."""
+        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools, strict=True)):
+            kept = group.kept_tokens(seq.prefill_len)
+            table = seq.block_tables[g]
+            pool.free(table[cdiv(kept, self.block_size) :])
+            del table[cdiv(kept, self.block_size) :]
+            seq.kv_lens[g] = kept
+        seq.chunked_prefill = False
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token in every group (a new block where the last one is full)."""

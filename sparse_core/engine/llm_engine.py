@@ -100,7 +100,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.plan, blocks, config.block_size, config.max_num_seqs, config.max_model_len
         )
-        self.scheduler = Scheduler(config, self.block_manager)
+        # A chunked prompt's last chunk must hold the observation window, whose queries score it.
+        min_last_chunk = self.sparsity.window if self.sparsity.compresses else 1
+        self.scheduler = Scheduler(config, self.block_manager, min_last_chunk)
         self.checker = RequestChecker(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -108,6 +110,7 @@ class LLMEngine:
             self.plan,
             blocks,
             config.block_size,
+            config.max_num_batched_tokens,
         )
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -194,9 +197,9 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step (prefill of admitted prompts and a token for every running sequence);
-        returns the outputs of every sequence in it that produced a token (not those fed a forced
-        prompt token)."""
+        """Run one step (prefill of admitted prompts or of their next chunks, and a token for
+        every running sequence done prefilling); returns the outputs of every sequence in it that
+        produced a token (not those fed a forced prompt token or a chunk before the last)."""
         step = self.scheduler.schedule()
         if not step:
             return []
@@ -205,9 +208,9 @@ class LLMEngine:
         now = time.monotonic()
         if self.step_records is not None:
             self.step_records.append(self._step_record(step, now - start))
+        self.scheduler.step_done(step)
         outputs = []
-        for seq, is_prefill, token in zip(step.seqs, step.is_prefill_row, tokens, strict=True):
-            seq.num_computed_tokens += seq.num_new_tokens(is_prefill)
+        for seq, token in zip(step.seqs, tokens, strict=True):
             if token is None:
                 continue
             if seq.first_token_time is None:
@@ -225,7 +228,7 @@ class LLMEngine:
         layers = [len(g.layers) for g in self.plan.groups]
         return StepRecord(
             num_prefill_seqs=len(step.prefills),
-            num_prefill_tokens=sum(s.num_prefill_tokens for s in step.prefills),
+            num_prefill_tokens=sum(s.num_scheduled_tokens for s in step.prefills),
             num_decode_seqs=len(step.decodes),
             kv_token_layers=sum(
                 n * kv for seq in step.decodes for n, kv in zip(layers, seq.kv_lens, strict=True)

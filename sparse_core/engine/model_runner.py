@@ -23,6 +23,7 @@ from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import (
+    ChunkContext,
     CompressJobs,
     DecodeGroupMetadata,
     DecodeMetadata,
@@ -69,6 +70,16 @@ def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 @dataclass
+class CachedChunks:
+    """Host side of a ChunkContext: the earlier chunks of the prompts a step continues."""
+
+    cu_seqlens_k: list[int]  # each prompt's keys: its cached tokens, then the step's
+    new_rows: list[int]
+    cached_rows: list[int]
+    cached_slots: list[list[int]]  # per group
+
+
+@dataclass
 class PrefillBatch:
     """Host-side description of a step's prefill part."""
 
@@ -77,8 +88,12 @@ class PrefillBatch:
     cu_seqlens: list[int]
     max_seqlen: int
     slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
-    compress_bounds: list[list[tuple[int, int]]]  # per group: prompts it stores compressed
-    compress_slots: list[list[int]]  # per group: where those prompts' kept tokens go
+    # Per group, the prompts it compresses in this step: their bounds among the packed keys,
+    # where their window queries end, and where their kept tokens go.
+    compress_bounds: list[list[tuple[int, int]]]
+    compress_query_ends: list[list[int]]
+    compress_slots: list[list[int]]
+    cached: CachedChunks | None = None  # when the step continues chunked prompts
 
 
 @dataclass
@@ -168,10 +183,7 @@ class ModelRunner:
             self._prepare_decode(step.decodes, block_manager) if step.decodes else None,
         )
         seqs = step.seqs
-        wanted = [
-            seq.samples_next_token(is_prefill)
-            for seq, is_prefill in zip(seqs, step.is_prefill_row, strict=True)
-        ]
+        wanted = [seq.samples_next_token for seq in seqs]
         return sample(self.execute(batch), seqs, self.generator, wanted)
 
     @torch.inference_mode()
@@ -209,11 +221,14 @@ class ModelRunner:
         return [table[i // bs] * bs + i % bs for i in range(count)]
 
     def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
-        """Whole sequences (prompt, plus outputs when recomputing after preemption) in one step,
-        or only their compressed prefix when the request sets compress_prefix_len.
+        """Each sequence's scheduled tokens: a whole prefill (the prompt, plus outputs when
+        recomputing after preemption; or only its compressed prefix when the request sets
+        compress_prefix_len), or the next chunk of one.
 
-        In a group that keeps fewer tokens than the sequence has, its tokens get slot -1 and a
-        compression job instead: only the kept tokens ever reach that group's pool.
+        A group that keeps fewer tokens than the prefill compresses it when its last token is
+        fed. A whole prefill's tokens then get slot -1 and a compression job instead: only the
+        kept tokens ever reach that group's pool. A chunked prefill stores every token, and its
+        last chunk's compression job writes the kept tokens over the front of its blocks.
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -221,47 +236,78 @@ class ModelRunner:
         num_groups = len(self.plan.groups)
         slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
+        cached = CachedChunks([0], [], [], [[] for _ in range(num_groups)])
         for seq in seqs:
-            start, n = len(input_ids), seq.num_prefill_tokens
-            input_ids += seq.token_ids[:n]
-            positions += range(n)
-            cu_seqlens.append(start + n)
-            for g, kept in enumerate(seq.kv_lens):
-                slots = self._slots(seq, g, kept)
-                if kept == n:
-                    slot_mappings[g] += slots
+            first, n = seq.num_computed_tokens, seq.prefill_len
+            end = first + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[first:end]
+            positions += range(first, end)
+            cu_seqlens.append(len(input_ids))
+            k_start = cached.cu_seqlens_k[-1]
+            cached.cu_seqlens_k.append(k_start + end)
+            cached.cached_rows += range(k_start, k_start + first)
+            cached.new_rows += range(k_start + first, k_start + end)
+            for g, group in enumerate(self.plan.groups):
+                if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
+                    slots = self._slots(seq, g, end)
+                    slot_mappings[g] += slots[first:]
+                    cached.cached_slots[g] += slots[:first]
                 else:
-                    slot_mappings[g] += [-1] * n
-                    compress_bounds[g].append((start, start + n))
-                    compress_slots[g] += slots
+                    slot_mappings[g] += [-1] * (end - first)
+                kept = group.kept_tokens(n)
+                if end == n and kept < n:
+                    compress_bounds[g].append((k_start, k_start + n))
+                    compress_query_ends[g].append(len(input_ids))
+                    compress_slots[g] += self._slots(seq, g, kept)
         return PrefillBatch(
             input_ids,
             positions,
             cu_seqlens,
-            max(seq.num_prefill_tokens for seq in seqs),
+            max(seq.num_scheduled_tokens for seq in seqs),
             slot_mappings,
             compress_bounds,
+            compress_query_ends,
             compress_slots,
+            cached if cached.cached_rows else None,
         )
 
     def _prefill_metadata(self, batch: PrefillBatch) -> PrefillMetadata:
+        cached = batch.cached
         groups = [
             PrefillGroupMetadata(
                 slot_mapping=self._tensor(slots),
                 compress=CompressJobs(
-                    PromptBatch.from_bounds(bounds, self.device), self._tensor(kept_slots)
+                    PromptBatch.from_bounds(bounds, self.device, query_ends),
+                    self._tensor(kept_slots),
                 ),
+                cached_slots=None if cached is None else self._tensor(cached.cached_slots[g]),
             )
-            for slots, bounds, kept_slots in zip(
-                batch.slot_mappings, batch.compress_bounds, batch.compress_slots, strict=True
+            for g, (slots, bounds, query_ends, kept_slots) in enumerate(
+                zip(
+                    batch.slot_mappings,
+                    batch.compress_bounds,
+                    batch.compress_query_ends,
+                    batch.compress_slots,
+                    strict=True,
+                )
             )
         ]
+        context = None
+        if cached is not None:
+            context = ChunkContext(
+                cu_seqlens_k=self._tensor(cached.cu_seqlens_k),
+                num_keys=cached.cu_seqlens_k[-1],
+                new_rows=self._tensor(cached.new_rows),
+                cached_rows=self._tensor(cached.cached_rows),
+            )
         return PrefillMetadata(
             num_tokens=len(batch.input_ids),
             cu_seqlens=self._tensor(batch.cu_seqlens),
             max_seqlen=batch.max_seqlen,
             groups=groups,
+            context=context,
         )
 
     def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
@@ -323,12 +369,14 @@ class ModelRunner:
             cu_seqlens.append(cu_seqlens[-1] + n)
         num_groups, rows = len(self.plan.groups), config.max_num_seqs
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         for g, group in enumerate(self.plan.groups):
             for start, end in itertools.pairwise(cu_seqlens):
                 kept = group.kept_tokens(end - start)
                 if kept < end - start:
                     compress_bounds[g].append((start, end))
+                    compress_query_ends[g].append(end)
                     compress_slots[g] += [-1] * kept
         prefill = PrefillBatch(
             input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
@@ -337,6 +385,7 @@ class ModelRunner:
             max_seqlen=max(lens),
             slot_mappings=[[-1] * total for _ in range(num_groups)],
             compress_bounds=compress_bounds,
+            compress_query_ends=compress_query_ends,
             compress_slots=compress_slots,
         )
         decode = DecodeBatch(

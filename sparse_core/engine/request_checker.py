@@ -20,6 +20,7 @@ class RequestChecker:
     plan: LayerPlan
     blocks_per_group: list[int]
     block_size: int
+    max_num_batched_tokens: int
 
     def make_sequence(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -56,9 +57,11 @@ class RequestChecker:
 
     def why_never_fits(self, seq: Sequence) -> str | None:
         """Why the sequence could not finish even alone in the cache, or None if it can."""
+        prefill = seq.num_prefill_tokens
         for group, num_blocks in zip(self.plan.groups, self.blocks_per_group, strict=True):
-            prefill = seq.num_prefill_tokens
             peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
+            if prefill > self.max_num_batched_tokens:  # chunked: every group holds it all first
+                peak = max(peak, prefill)
             need = cdiv(peak, self.block_size)
             if need > num_blocks:
                 return (

@@ -1,7 +1,9 @@
 """Continuous batching: every step feeds one token to each running sequence (a generated one, or
 a prompt token fed after a compressed prefix) and, in the same forward pass, prefills the prompts
-admitted for it. A prompt is admitted only when every layer group has room for it; when a group
-runs out during decode, the newest sequence is preempted and recomputed later."""
+admitted for it, up to max_num_batched_tokens prompt tokens. With chunked prefill a prompt that
+does not fit what is left of a step goes in chunks over several steps. A prompt is admitted only
+when every layer group has room for it; when a group runs out during decode, the newest sequence
+is preempted and recomputed later."""
 
 from __future__ import annotations
 
@@ -15,26 +17,34 @@ from sparse_core.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledStep:
-    prefills: list[Sequence]  # admitted for this step: prefilled whole (or their prefix)
-    decodes: list[Sequence]  # already running: one token each
+    # Prefilled in this step, whole or a chunk (each one's num_scheduled_tokens).
+    prefills: list[Sequence]
+    decodes: list[Sequence]  # done prefilling: one token each
 
     @property
     def seqs(self) -> list[Sequence]:
         """In the order of the step's rows: the prefills, then the decodes."""
         return self.prefills + self.decodes
 
-    @property
-    def is_prefill_row(self) -> list[bool]:
-        return [True] * len(self.prefills) + [False] * len(self.decodes)
-
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: EngineConfig, block_manager: BlockManager, min_last_chunk: int
+    ) -> None:
+        """min_last_chunk: the fewest tokens a chunked prompt's last chunk may have (a sparse
+        policy's observation window: those queries score the whole prompt in that step)."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        if self.enable_chunked_prefill and self.max_num_batched_tokens < min_last_chunk:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least the "
+                f"observation window ({min_last_chunk}): a prompt's last chunk holds the window"
+            )
+        self.min_last_chunk = min_last_chunk
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -48,7 +58,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep:
-        """The next step: a token for every running sequence, and the prompts that fit.
+        """The next step: a token for every running sequence that is done prefilling, the next
+        chunks of the prompts being prefilled, and the new prompts that fit.
 
         Decoding sequences ride along with the prefill in one forward pass, so a burst of
         arrivals never stops them. A step that had to preempt admits nothing: the cache is full,
@@ -56,32 +67,64 @@ class Scheduler:
         """
         preemptions = self.num_preemptions
         decodes = self._prepare_decode()
-        prefills = self._admit() if self.num_preemptions == preemptions else []
+        budget = self.max_num_batched_tokens
+        prefills = []
+        for seq in self.running:
+            if not seq.is_prefilling:
+                continue
+            remaining = seq.prefill_len - seq.num_computed_tokens
+            seq.num_scheduled_tokens = self._next_chunk(remaining, budget)
+            if seq.num_scheduled_tokens == 0:
+                break  # first come, first served: the later prompts wait too
+            prefills.append(seq)
+            budget -= seq.num_scheduled_tokens
+        if self.num_preemptions == preemptions:
+            prefills += self._admit(budget)
         return ScheduledStep(prefills, decodes)
 
-    def _admit(self) -> list[Sequence]:
+    def step_done(self, step: ScheduledStep) -> None:
+        """Account the tokens the step fed; a chunked prompt's last chunk ends its staging."""
+        for seq in step.seqs:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            if seq.chunked_prefill and not seq.is_prefilling:
+                self.block_manager.end_chunked_prefill(seq)
+
+    def _next_chunk(self, remaining: int, budget: int) -> int:
+        """Of a prefill's `remaining` tokens, those a step with `budget` left feeds; 0 to wait."""
+        if remaining <= budget:
+            return remaining
+        if not self.enable_chunked_prefill:
+            return 0
+        return max(0, min(budget, remaining - self.min_last_chunk))
+
+    def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []
-        num_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_tokens + seq.num_prefill_tokens > self.max_num_batched_tokens:
-                break
-            if not self.block_manager.can_allocate(seq):
+            chunk = self._next_chunk(seq.num_prefill_tokens, budget)
+            chunked = chunk < seq.num_prefill_tokens
+            if chunk == 0 or not self.block_manager.can_allocate(seq, chunked):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, chunked)
             seq.status = SequenceStatus.RUNNING
+            seq.num_scheduled_tokens = chunk
             self.running.append(seq)
             admitted.append(seq)
-            num_tokens += seq.num_prefill_tokens
+            budget -= chunk
         return admitted
 
     def _prepare_decode(self) -> list[Sequence]:
-        """Make room for one token per running sequence, preempting the newest when a group is
-        full; the oldest sequences keep making progress."""
-        scheduled: list[Sequence] = []
+        """Make room for one token per sequence done prefilling, preempting the newest when a
+        group is full; the oldest sequences keep making progress. Prompts being prefilled hold
+        their blocks already."""
+        kept: list[Sequence] = []
+        decodes: list[Sequence] = []
         while self.running:
             seq = self.running.pop(0)
+            if seq.is_prefilling:
+                kept.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 if self.running:
                     self._preempt(self.running.pop())
@@ -90,9 +133,11 @@ class Scheduler:
                     break
             else:
                 seq.decode_slots = self.block_manager.append_slots(seq)
-                scheduled.append(seq)
-        self.running = scheduled
-        return list(scheduled)
+                seq.num_scheduled_tokens = 1
+                kept.append(seq)
+                decodes.append(seq)
+        self.running = kept
+        return decodes
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is prefilled again (prompt + outputs so far) later."""

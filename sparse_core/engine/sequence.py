@@ -36,6 +36,11 @@ class Sequence:
     prompt_kv_lens: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
+    num_scheduled_tokens: int = 0  # tokens the current step feeds: a prefill (chunk), or one
+    prefill_len: int = 0  # num_prefill_tokens when last admitted: what its (re)prefill feeds
+    # Prefilled over several steps: until its last chunk every group holds the whole prefill,
+    # and the groups that compress it shrink to their kept tokens after that chunk.
+    chunked_prefill: bool = False
     table_row: int = -1  # this sequence's row in the block manager's host block tables
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -52,6 +57,8 @@ class Sequence:
         self.kv_lens = [0] * self.num_groups
         self.table_row = -1
         self.num_computed_tokens = 0
+        self.prefill_len = 0
+        self.chunked_prefill = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -69,14 +76,17 @@ class Sequence:
         """Prompt tokens fed by decode steps after the prefill (0 without compress_prefix_len)."""
         return max(0, len(self.prompt_token_ids) - self.num_prefill_tokens)
 
-    def num_new_tokens(self, is_prefill: bool) -> int:
-        """Tokens the next step feeds to the model."""
-        return self.num_prefill_tokens if is_prefill else 1
+    @property
+    def is_prefilling(self) -> bool:
+        """Whether its prefill (its compressed prefix, when one is set) is not done yet."""
+        return self.num_computed_tokens < self.prefill_len
 
-    def samples_next_token(self, is_prefill: bool) -> bool:
-        """Whether the next step ends at the last known token, so that what it samples is the
-        next output token (and not a forced token's discarded prediction)."""
-        return self.num_computed_tokens + self.num_new_tokens(is_prefill) == len(self)
+    @property
+    def samples_next_token(self) -> bool:
+        """Whether the current step ends at the last known token, so that what it samples is
+        the next output token (and not a forced token's or a prompt chunk's discarded
+        prediction)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == len(self)
 
     @property
     def next_input_token_id(self) -> int:

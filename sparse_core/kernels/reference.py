@@ -16,24 +16,30 @@ import torch.nn.functional as F
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
-    Materialises each sequence's logits: use it as an oracle and for short sequences.
+    `cu_seqlens_k` (default: `cu_seqlens`) packs the keys apart from the queries: a sequence may
+    have more keys than queries, its queries being its last tokens (a prompt chunk after the
+    chunks already cached). Materialises each sequence's logits: use it as an oracle and for
+    short sequences.
     """
     num_q, num_kv = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
     lse = torch.empty(num_q, q.shape[0], dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
+    for (start, end), (k_start, k_end) in _query_and_key_bounds(cu_seqlens, cu_seqlens_k):
         qs = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
-        ks = k[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
-        vs = v[start:end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
+        ks = k[k_start:k_end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
+        vs = v[k_start:k_end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
         logits = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        n = end - start
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        logits = logits.masked_fill(~causal, float("-inf"))
+        visible = _causal_mask(end - start, k_end - k_start, q.device)
+        logits = logits.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
         probs = torch.exp(logits - row_lse.unsqueeze(-1))
         out[start:end] = torch.matmul(probs, vs).transpose(0, 1).to(q.dtype)
@@ -42,19 +48,47 @@ def prefill_attention(
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence without LSE, through torch's fused SDPA.
+    """`prefill_attention` without LSE, through torch's fused SDPA.
 
-    The fast CPU path: memory stays linear in the sequence length.
+    The fast CPU path: memory stays linear in the sequence length (a sequence with more keys
+    than queries passes a [queries, keys] mask).
     """
     out = torch.empty_like(q)
-    bounds = cu_seqlens.tolist()
-    for start, end in itertools.pairwise(bounds):
-        qs, ks, vs = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+    for (start, end), (k_start, k_end) in _query_and_key_bounds(cu_seqlens, cu_seqlens_k):
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        ks, vs = (x[k_start:k_end].transpose(0, 1).unsqueeze(0) for x in (k, v))
+        if k_end - k_start == end - start:
+            mask, causal = None, True
+        else:  # SDPA's is_causal aligns the mask top-left; these queries are the last tokens
+            mask, causal = _causal_mask(end - start, k_end - k_start, q.device), False
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _query_and_key_bounds(
+    cu_seqlens: torch.Tensor, cu_seqlens_k: torch.Tensor | None
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    q_bounds = itertools.pairwise(cu_seqlens.tolist())
+    k_bounds = itertools.pairwise((cu_seqlens if cu_seqlens_k is None else cu_seqlens_k).tolist())
+    return list(zip(q_bounds, k_bounds, strict=True))
+
+
+def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+    """[queries, keys]: query i (the sequence's token num_keys - num_queries + i) sees keys up to
+    itself."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(
+        num_keys - num_queries
+    )
 
 
 def window_lse(q_win: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:

@@ -85,7 +85,8 @@ def _prefill_key_tiles(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Attend the query tile to keys [lo, hi); mask (causal and key < hi) only where asked."""
+    """Attend the query tile (at key positions `rows`) to keys [lo, hi); mask (causal and
+    key < hi) only where asked."""
     dims = tl.arange(0, HEAD_DIM)
     for key_start in range(lo, hi, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
@@ -114,6 +115,7 @@ def _prefill_kernel(
     out_ptr,
     lse_ptr,
     cu_seqlens_ptr,
+    cu_seqlens_k_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -141,6 +143,10 @@ def _prefill_kernel(
     m_start = m_block * BLOCK_M
     if m_start >= n:
         return
+    # A prompt chunk's queries are the last n of its keys; `first` is the key of query row 0.
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    num_keys = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    first = num_keys - n
 
     rows = m_start + tl.arange(0, BLOCK_M)
     row_ok = rows < n
@@ -151,20 +157,23 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_base = k_ptr + start * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + start * stride_vt + kv_head * stride_vh
+    k_base = k_ptr + k_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + k_start * stride_vt + kv_head * stride_vh
 
-    # Keys left of this tile's diagonal block are visible to every row: no mask. BLOCK_M is a
-    # multiple of BLOCK_N, so these tiles end exactly at m_start.
+    # Whole key tiles left of this tile's diagonal block are visible to every row: no mask.
+    # Without earlier chunks (first = 0) they end exactly at the diagonal, BLOCK_M being a
+    # multiple of BLOCK_N.
+    diagonal = first + m_start
+    unmasked_end = diagonal // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _prefill_key_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, 0, m_start, scale_log2,
-        CAUSAL_MASK=False, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, first + rows, 0, unmasked_end,
+        scale_log2, CAUSAL_MASK=False, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
     )  # fmt: skip
-    # The diagonal block: causal mask; key tiles beyond the diagonal are never visited. Every row,
-    # padded ones included, sees key m_start, so no row is all -inf.
+    # The rest up to the diagonal block's end: causal mask; key tiles beyond it are never
+    # visited. Every row, padded ones included, sees key unmasked_end, so no row is all -inf.
     acc, m_i, l_i = _prefill_key_tiles(
-        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, rows, m_start,
-        tl.minimum(m_start + BLOCK_M, n), scale_log2,
+        acc, m_i, l_i, q, k_base, v_base, stride_kt, stride_vt, first + rows, unmasked_end,
+        tl.minimum(diagonal + BLOCK_M, num_keys), scale_log2,
         CAUSAL_MASK=True, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
     )  # fmt: skip
 
@@ -200,17 +209,21 @@ def prefill_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
     max_seqlen: int | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
-    `max_seqlen` sizes the grid; pass it to avoid a device-to-host sync on cu_seqlens.
+    `max_seqlen` (the most queries of a sequence) sizes the grid; pass it to avoid a
+    device-to-host sync on cu_seqlens. `cu_seqlens_k`: keys packed apart from the queries, as
+    in `reference.prefill_attention`.
     """
     num_tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
     _check_head_dim(head_dim)
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
-    assert cu_seqlens.is_contiguous()
+    cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    assert cu_seqlens.is_contiguous() and cu_seqlens_k.is_contiguous()
     out = torch.empty_like(q)
     lse = torch.empty(num_q, num_tokens, dtype=torch.float32, device=q.device)
     num_seqs = cu_seqlens.shape[0] - 1
@@ -221,7 +234,7 @@ def prefill_attention(
     block_m, block_n, num_warps, num_stages = _prefill_tiles(q)
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_q)
     _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens,
+        q, k, v, out, lse, cu_seqlens, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         scale * LOG2E,

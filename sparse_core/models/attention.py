@@ -29,6 +29,33 @@ class PrefillGroupMetadata:
 
     slot_mapping: torch.Tensor  # [P]: each prompt token's slot, -1 for the prompts in `compress`
     compress: CompressJobs | None = None
+    cached_slots: torch.Tensor | None = None  # [C]: the slots of ChunkContext's cached tokens
+
+
+@dataclass
+class ChunkContext:
+    """For a step that continues chunked prompts: their earlier chunks, read back from the cache.
+
+    Attention and scoring then run over keys packed apart from the queries: each prompt's cached
+    tokens followed by the step's own, so its queries are its last keys.
+    """
+
+    cu_seqlens_k: torch.Tensor  # packed keys' offsets, per prompt
+    num_keys: int
+    new_rows: torch.Tensor  # [P]: where the step's prompt tokens go among the packed keys
+    cached_rows: torch.Tensor  # [C]: where the cached tokens go
+
+    def pack(
+        self,
+        new: torch.Tensor,
+        cache: torch.Tensor,
+        cached_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        """new [P, Hkv, D] and a paged cache -> the packed keys (or values) [num_keys, Hkv, D]."""
+        packed = new.new_empty(self.num_keys, *new.shape[1:])
+        packed[self.new_rows] = new
+        packed[self.cached_rows] = cache.flatten(0, 1)[cached_slots]
+        return packed
 
 
 @dataclass
@@ -46,10 +73,11 @@ class DecodeGroupMetadata:
 
 @dataclass
 class PrefillMetadata:
-    num_tokens: int  # P: the step's first P tokens are the prompts', packed
+    num_tokens: int  # P: the step's first P tokens are the prompts' (whole or a chunk), packed
     cu_seqlens: torch.Tensor  # packed prompt offsets
-    max_seqlen: int  # longest prompt, known on the host
+    max_seqlen: int  # most tokens of one prompt in the step, known on the host
     groups: list[PrefillGroupMetadata]
+    context: ChunkContext | None = None  # when the step continues chunked prompts
 
 
 @dataclass
@@ -126,12 +154,20 @@ class PagedAttention(nn.Module):
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMetadata
     ) -> torch.Tensor:
-        """Causal attention within each prompt; every token's K/V is stored, except in a group
-        that compresses the prompt: there only the selected tokens are written."""
+        """Causal attention within each prompt (over its cached chunks too); every token's K/V is
+        stored, except in a group that compresses the prompt in this step: there only the
+        selected tokens are written (over the cached chunks, which held the whole prompt)."""
         group = meta.groups[self.group]
         ops = self.ops
-        out, lse = ops.prefill_attention(q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen)
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+        cu_seqlens_k = None
+        if meta.context is not None:
+            k = meta.context.pack(k, self.k_cache, group.cached_slots)
+            v = meta.context.pack(v, self.v_cache, group.cached_slots)
+            cu_seqlens_k = meta.context.cu_seqlens_k
+        out, lse = ops.prefill_attention(
+            q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k
+        )
         if group.compress:
             kept_rows = select_kept_tokens(
                 self.sparsity,

@@ -1,0 +1,136 @@
+"""Chunked prefill: a prompt prefilled over several steps generates what it generates whole, keeps
+the same tokens in every layer group, and holds (then frees) blocks for all its tokens until its
+last chunk."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.config import EngineConfig
+from sparse_core.models.loader import load_model_source
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SPARSITIES = {
+    "dense": SparsityConfig(policy="dense"),
+    "snapkv": SparsityConfig(policy="snapkv", budget=64, window=8),
+    "pyramid": SparsityConfig(policy="pyramid", budget=64, window=8),
+    "streamingllm": SparsityConfig(policy="streamingllm", budget=64, window=8),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2_source():
+    return load_model_source("smollm2-135m-instruct", {})
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(100, 40000) for _ in range(n)] for n in (300, 77, 150, 500)]
+
+
+@pytest.mark.parametrize("name", list(SPARSITIES))
+def test_chunked_prompts_generate_what_whole_prompts_do(smollm2_source, name):
+    """SmolLM2, greedy: the same tokens and the same kept tokens per layer group, with prompts cut
+    into chunks of at most 100 tokens that share steps with other prompts and with decodes."""
+
+    def generate(**engine_args):
+        llm = LLM(
+            sparsity=SPARSITIES[name],
+            model_source=smollm2_source,
+            device="cpu",  # float32: exact agreement (tests/test_gpu_engine.py has the GPU's)
+            max_model_len=1024,
+            kv_cache_memory_gb=0.05,
+            **engine_args,
+        )
+        llm.engine.step_records = []
+        return llm.generate(_prompts(), GREEDY), llm.engine
+
+    whole, _ = generate()
+    chunked, engine = generate(enable_chunked_prefill=True, max_num_batched_tokens=100)
+    for a, b in zip(whole, chunked, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.kv_tokens_per_group == a.kv_tokens_per_group
+        assert b.compression_ratio == a.compression_ratio
+    prefill_steps = [r.num_prefill_tokens for r in engine.step_records if r.is_prefill]
+    assert max(prefill_steps) <= 100
+    assert sum(prefill_steps) == sum(len(p) for p in _prompts())
+    assert len(prefill_steps) >= 1030 // 100  # 1027 prompt tokens, 100 per step at most
+    # Decodes rode along with later chunks.
+    assert any(r.is_prefill and r.num_decode_seqs for r in engine.step_records)
+    engine.check_invariants()
+    assert all(pool.num_free == pool.num_blocks for pool in engine.block_manager.pools)
+
+
+def _tiny(**engine_args) -> LLM:
+    return LLM(
+        "dummy:tiny",
+        sparsity=SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1),
+        device="cpu",
+        max_model_len=512,
+        enable_chunked_prefill=True,
+        **engine_args,
+    )
+
+
+def test_the_last_chunk_holds_the_observation_window():
+    """105 tokens in steps of 100: cut 97 + 8, not 100 + 5, so the window's 8 queries (which
+    score every token) are in the last chunk."""
+    llm = _tiny(max_num_batched_tokens=100)
+    llm.engine.step_records = []
+    llm.generate([list(range(1, 106))], SamplingParams(max_tokens=2, ignore_eos=True))
+    prefills = [r.num_prefill_tokens for r in llm.engine.step_records if r.is_prefill]
+    assert prefills == [97, 8]
+
+
+def test_a_chunked_prompt_holds_all_its_blocks_until_its_last_chunk():
+    llm = _tiny(max_num_batched_tokens=100, kv_cache_memory_gb=0.001)
+    engine = llm.engine
+    engine.add_request("r", list(range(1, 301)), SamplingParams(max_tokens=5, ignore_eos=True))
+    full, sparse = engine.plan.groups
+    for _ in range(2):  # 300 tokens: chunks of 100, 100 and 100
+        assert engine.step() == []  # no token before the last chunk
+        used = engine.stats().kv_blocks
+        assert used[full.name]["used"] == used[sparse.name]["used"] == 19  # 300 tokens / 16
+    outputs = engine.step()
+    assert len(outputs) == 1 and len(outputs[0].token_ids) == 1
+    used = engine.stats().kv_blocks
+    assert used[full.name]["used"] == 19
+    assert used[sparse.name]["used"] == 3  # the budget's 40 tokens
+    assert outputs[0].kv_tokens_per_group == {full.name: 300, sparse.name: 40}
+    engine.check_invariants()
+
+
+def test_aborting_a_prompt_between_chunks_frees_its_blocks():
+    llm = _tiny(max_num_batched_tokens=64, kv_cache_memory_gb=0.001)
+    engine = llm.engine
+    engine.add_request("r", list(range(1, 301)), SamplingParams(max_tokens=5))
+    engine.step()
+    assert engine.stats().kv_blocks["full"]["used"] == 19
+    assert engine.abort("r").finish_reason == "abort"
+    assert not engine.has_unfinished
+    engine.check_invariants()
+    assert all(pool.num_free == pool.num_blocks for pool in engine.block_manager.pools)
+
+
+def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_group():
+    """Sparse groups hold a chunked prompt whole until its last chunk: a prompt that fits their
+    pool only compressed cannot be chunked, and says so."""
+    llm = _tiny(max_num_batched_tokens=64, kv_cache_memory_gb=0.0002)
+    sparse = llm.engine.plan.groups[1]
+    pool = llm.engine.block_manager.pools[1].num_blocks
+    too_long = 16 * pool + 1  # one token more than the sparse pool holds
+    with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
+        llm.generate([list(range(1, too_long + 1))], SamplingParams(max_tokens=1))
+
+
+def test_step_size_limits():
+    with pytest.raises(ValueError, match="without enable_chunked_prefill"):
+        EngineConfig(max_model_len=4096, max_num_batched_tokens=2048)
+    assert EngineConfig(
+        max_model_len=4096, max_num_batched_tokens=2048, enable_chunked_prefill=True
+    )
+    with pytest.raises(ValueError, match="observation window"):
+        _tiny(max_num_batched_tokens=4)
