@@ -26,7 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="prompt tokens prefilled per step; without chunked prefill prompts are whole, so "
-        "at least --max-model-len (default: the larger of --max-model-len and 8192)",
+        "at least --max-model-len (default: the larger of --max-model-len and 8192; for "
+        "`kvsparse serve`, --max-model-len)",
     )
     engine.add_argument(
         "--enable-chunked-prefill",

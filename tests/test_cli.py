@@ -58,3 +58,14 @@ def test_batched_tokens_below_the_model_length_is_a_clear_error():
         *("generate", "hi", "--model", "dummy:tiny", "--max-model-len", "4096"),
         *("--max-num-batched-tokens", "2048"),
     )
+
+
+def test_chunked_prefill_allows_steps_shorter_than_a_prompt():
+    """The prompt (~60 tokens) goes in chunks of 16, its last holding the 8-token window."""
+    proc = run_cli(
+        *("generate", "What is the capital of France? " * 6, "--max-tokens", "4"),
+        *("--policy", "snapkv", "--budget", "32", "--window", "8", "--device", "cpu"),
+        *("--enable-chunked-prefill", "--max-num-batched-tokens", "16"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stderr.strip().splitlines()[-1])["completion_tokens"] >= 1
