@@ -73,8 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.max_num_batched_tokens is None:
         # A server is judged by time to first token: one longest prompt per step, so a request
-        # waits for at most one other prompt's prefill. Serving 4000-token prompts on an H200 it
-        # kept the throughput of two per step and cut TTFT p50 (docs/benchmarks.md).
+        # that finds no prompt queued waits for at most the step in flight. Serving 4000-token
+        # prompts on an H200 it kept the throughput of two per step and cut TTFT p50
+        # (docs/benchmarks.md).
         args.max_num_batched_tokens = args.max_model_len
     engine_config, sparsity = engine_cli.configs_from_args(args)
     if args.ray:

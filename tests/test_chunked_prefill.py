@@ -124,6 +124,12 @@ def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_grou
     too_long = 16 * pool + 1  # one token more than the sparse pool holds
     with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
         llm.generate([list(range(1, too_long + 1))], SamplingParams(max_tokens=1))
+    # A short prompt too, if a preemption would make it prefill more than that again: its prompt
+    # and outputs so far, in chunks.
+    long_output = SamplingParams(max_tokens=too_long - 10 + 1)
+    with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
+        llm.generate([list(range(1, 11))], long_output)
+    assert llm.generate([list(range(1, 11))], SamplingParams(max_tokens=too_long - 10 - 1))
 
 
 def test_step_size_limits():

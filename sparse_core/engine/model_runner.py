@@ -368,25 +368,40 @@ class ModelRunner:
         for n in lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
         num_groups, rows = len(self.plan.groups), config.max_num_seqs
+        # With chunked prefill and steps shorter than a prompt, the largest step is the last
+        # chunk of a longest prompt: its attention and scoring read every token, the cached
+        # ones gathered from the cache (here all from slot 0 of the placeholder).
+        context = 0
+        cached = None
+        if config.enable_chunked_prefill and total < config.max_model_len - 1:
+            context = config.max_model_len - 1 - total
+            cached = CachedChunks(
+                cu_seqlens_k=[0, context + total],
+                new_rows=list(range(context, context + total)),
+                cached_rows=list(range(context)),
+                cached_slots=[[0] * context for _ in range(num_groups)],
+            )
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         for g, group in enumerate(self.plan.groups):
             for start, end in itertools.pairwise(cu_seqlens):
-                kept = group.kept_tokens(end - start)
-                if kept < end - start:
-                    compress_bounds[g].append((start, end))
+                num_keys = context + end - start  # context: only with a single prompt
+                kept = group.kept_tokens(num_keys)
+                if kept < num_keys:
+                    compress_bounds[g].append((start, start + num_keys))
                     compress_query_ends[g].append(end)
                     compress_slots[g] += [-1] * kept
         prefill = PrefillBatch(
             input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
-            positions=[p for n in lens for p in range(n)],
+            positions=[context + p for n in lens for p in range(n)],
             cu_seqlens=cu_seqlens,
             max_seqlen=max(lens),
             slot_mappings=[[-1] * total for _ in range(num_groups)],
             compress_bounds=compress_bounds,
             compress_query_ends=compress_query_ends,
             compress_slots=compress_slots,
+            cached=cached,
         )
         decode = DecodeBatch(
             input_ids=[0] * rows,

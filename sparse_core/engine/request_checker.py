@@ -58,10 +58,16 @@ class RequestChecker:
     def why_never_fits(self, seq: Sequence) -> str | None:
         """Why the sequence could not finish even alone in the cache, or None if it can."""
         prefill = seq.num_prefill_tokens
+        # A prefill longer than a step goes in chunks, and until its last one every group holds
+        # all of it. After a preemption the prefill is the sequence so far (unless it compresses
+        # a fixed prefix), up to its last token but one.
+        longest_prefill = prefill
+        if seq.params.compress_prefix_len is None:
+            longest_prefill = min(len(seq) + seq.params.max_tokens, self.max_model_len) - 1
         for group, num_blocks in zip(self.plan.groups, self.blocks_per_group, strict=True):
             peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
-            if prefill > self.max_num_batched_tokens:  # chunked: every group holds it all first
-                peak = max(peak, prefill)
+            if longest_prefill > self.max_num_batched_tokens:
+                peak = max(peak, longest_prefill)
             need = cdiv(peak, self.block_size)
             if need > num_blocks:
                 return (

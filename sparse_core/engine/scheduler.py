@@ -75,10 +75,11 @@ class Scheduler:
             remaining = seq.prefill_len - seq.num_computed_tokens
             seq.num_scheduled_tokens = self._next_chunk(remaining, budget)
             if seq.num_scheduled_tokens == 0:
-                break  # first come, first served: the later prompts wait too
+                budget = 0  # first come, first served: the later prompts wait too
+                break
             prefills.append(seq)
             budget -= seq.num_scheduled_tokens
-        if self.num_preemptions == preemptions:
+        if self.num_preemptions == preemptions and budget > 0:
             prefills += self._admit(budget)
         return ScheduledStep(prefills, decodes)
 
