@@ -92,8 +92,12 @@ step_kernels() {
 step_profile() {
     local args status=0
     : >"$OUT/profile_step.txt"
+    # The last two: a 1,024-token chunk with 20 sequences decoding, alone and after 3,072
+    # cached tokens of its prompt (chunked prefill's steps).
     for args in "--policy dense" "--policy snapkv" "--policy snapkv --running 40" \
-        "--policy dense --prompts 1 --running 13"; do
+        "--policy dense --prompts 1 --running 13" \
+        "--policy snapkv --prompts 1 --input-len 1024 --running 20" \
+        "--policy snapkv --prompts 1 --input-len 1024 --context 3072 --running 20"; do
         # shellcheck disable=SC2086  # args is a list of flags
         if ! python3 -m sparse_core.bench.profile_step $args 2>&1 \
             | tee -a "$OUT/profile_step.txt" | grep -v -i warn; then

@@ -2,9 +2,11 @@
 
 Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
 sequences were admitted, so that their decode rows join the step, as in a mixed step), a few
-times under the torch profiler, and prints the step's wall time and its GPU kernels by total time
-per step. A prefill's matmuls are 2 FLOPs per token per weight of the decoder layers; the printed
-roofline line compares the matmul kernels' time with that count at `--peak-tflops`.
+times under the torch profiler, and prints the step's wall time, the host's time to launch it,
+and its GPU kernels by total time per step. With `--context N` the prompts are N tokens longer
+and prefilled in chunks: the profiled step is their last chunk, after N cached tokens. A
+prefill's matmuls are 2 FLOPs per token per weight of the decoder layers; the printed roofline
+line compares the matmul kernels' time with that count at `--peak-tflops`.
 """
 
 from __future__ import annotations
@@ -32,23 +34,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--input-len", type=int, default=4000)
     parser.add_argument("--running", type=int, default=0, help="sequences decoding alongside")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=0,
+        help="cached tokens before the profiled chunk (with --prompts 1, a multiple of "
+        "--input-len: the earlier chunks are --input-len tokens too)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
+    if args.context and (args.prompts != 1 or args.context % args.input_len):
+        parser.error("--context needs --prompts 1 and a multiple of --input-len")
 
     sparsity = (
         SparsityConfig(policy="dense")
         if args.policy == "dense"
         else SparsityConfig(policy=args.policy, budget=512, window=32, full_layers=3)
     )
+    step_tokens = args.prompts * args.input_len
     engine = LLMEngine(
         EngineConfig(
             model=args.model,
-            max_model_len=args.input_len + 608,
-            max_num_batched_tokens=max(8192, args.prompts * args.input_len + 608),
+            max_model_len=args.context + args.input_len + 608,
+            # With a context, a step holds exactly the profiled chunk, so that the prompt's
+            # first context tokens go in earlier steps, in chunks of the same size.
+            max_num_batched_tokens=step_tokens if args.context else max(8192, step_tokens + 608),
+            enable_chunked_prefill=args.context > 0,
             max_num_seqs=max(64, args.running + args.prompts),
             kv_cache_memory_gb=20,
         ),
@@ -58,11 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
 
-    def add(name: str) -> None:
-        engine.add_request(name, [rng.randrange(vocab) for _ in range(args.input_len)], params)
+    def add(name: str, length: int) -> None:
+        engine.add_request(name, [rng.randrange(vocab) for _ in range(length)], params)
 
     for i in range(args.running):
-        add(f"running{i}")
+        add(f"running{i}", args.input_len)
     while engine.scheduler.waiting:
         admitted = len(engine.scheduler.running)
         engine.step()
@@ -72,21 +87,29 @@ def main(argv: list[str] | None = None) -> int:
     def prefill_step(tag: str) -> float:
         names = [f"{tag}-{i}" for i in range(args.prompts)]
         for name in names:
-            add(name)
+            add(name, args.context + args.input_len)
+        while args.context and any(
+            engine.sequences[name].num_computed_tokens < args.context for name in names
+        ):
+            engine.step()  # the context's chunks, not profiled
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        if any(engine.sequences[name].num_computed_tokens == 0 for name in names):
-            parser.error("the prompts were not all admitted: the KV cache is full")
+        if any(engine.sequences[name].is_prefilling for name in names):
+            parser.error("the prompts were not all prefilled: the KV cache is full")
         for name in names:
             engine.abort(name)
         return seconds
 
     prefill_step("warmup")
+    engine.step_records = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         walls = [prefill_step(f"profiled{r}") for r in range(args.repeats)]
+    # The profiled steps are the last prefill step of each repeat.
+    profiled = [r for r in engine.step_records if r.is_prefill][-args.repeats :]
+    launch = min(r.launch_seconds for r in profiled)
 
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
@@ -98,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     layer_weights = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
     ideal = 2 * layer_weights * tokens / (args.peak_tflops * 1e12) * 1e3
     print(
-        f"{args.prompts} x {args.input_len} tokens, {args.running} running, {args.policy}: "
-        f"wall {min(walls) * 1e3:.1f} ms per step, GPU kernels {total:.1f} ms, "
+        f"{args.prompts} x {args.input_len} tokens after {args.context} cached, {args.running} "
+        f"running, {args.policy}: wall {min(walls) * 1e3:.1f} ms per step (the host launched it "
+        f"in {launch * 1e3:.1f} ms), GPU kernels {total:.1f} ms, "
         f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
     )
     print(

@@ -44,6 +44,9 @@ class RunResult:
     prefill_s_per_4k_tokens: float  # steps with a prefill, their decode rows included
     # Wall time in steps with a prefill, in decode-only steps, and between steps (host work).
     time_split_s: dict[str, float] = field(default_factory=dict)
+    # Of the time in steps, the host's until each step's forward pass was enqueued: where it
+    # nears the step time, those steps are host-bound (on CPU the launch runs the step).
+    launch_s: dict[str, float] = field(default_factory=dict)
     decode_by_batch: list[dict] = field(default_factory=list)
 
 
@@ -129,8 +132,9 @@ def run_one(
     runner = engine.runner
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     prefill = [r for r in engine.step_records if r.is_prefill]
+    decode = [r for r in engine.step_records if not r.is_prefill]
     prefill_s = sum(r.seconds for r in prefill)
-    decode_s = sum(r.seconds for r in engine.step_records) - prefill_s
+    decode_s = sum(r.seconds for r in decode)
     stats = engine.stats()
     result = RunResult(
         label=label,
@@ -163,6 +167,10 @@ def run_one(
             "decode_steps": round(decode_s, 2),
             "between_steps": round(elapsed - prefill_s - decode_s, 2),
         },
+        launch_s={
+            "prefill_steps": round(sum(r.launch_seconds for r in prefill), 2),
+            "decode_steps": round(sum(r.launch_seconds for r in decode), 2),
+        },
         decode_by_batch=decode_table(
             engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
         ),
@@ -187,7 +195,7 @@ def print_table(results: list[RunResult]) -> None:
     head = (
         f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
         f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'prefill/4k':>11}"
-        f"{'s in prefill/decode/between steps':>36}"
+        f"{'s in prefill/decode/between steps':>36}{'launching prefill/decode':>26}"
     )
     print(head)
     for r in results:
@@ -196,6 +204,7 @@ def print_table(results: list[RunResult]) -> None:
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
             f"{r.kv_cache_gib:>7.1f}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
             f"{'/'.join(f'{t:.1f}' for t in r.time_split_s.values()):>36}"
+            f"{'/'.join(f'{t:.1f}' for t in r.launch_s.values()):>26}"
         )
 
 
@@ -210,6 +219,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-layers", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4608)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens per step (default: the engine's, the larger of --max-model-len and "
+        "8192)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill", action="store_true", help="prompts longer than a step in chunks"
+    )
     parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -232,6 +251,8 @@ def main(args: argparse.Namespace) -> int:
             model=args.model,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
             gpu_memory_utilization=args.gpu_memory_utilization,
             gpu_memory_limit_gb=args.gpu_memory_limit_gb,
             expected_input_len=args.input_len,

@@ -40,6 +40,9 @@ class StepRecord:
     num_decode_seqs: int
     kv_token_layers: int  # cached token-layers the decode rows' attention read
     seconds: float
+    # Of those, the host's time until the forward pass was enqueued: inputs prepared, kernels
+    # launched. Close to `seconds`, the step is host-bound (the device waited for launches).
+    launch_seconds: float
 
     @property
     def is_prefill(self) -> bool:
@@ -204,10 +207,12 @@ class LLMEngine:
         if not step:
             return []
         start = time.monotonic()
-        tokens = self.runner.run(step, self.block_manager)  # host ints: device done
+        logits = self.runner.launch(step, self.block_manager)
+        launched = time.monotonic()
+        tokens = self.runner.sample_tokens(step, logits)  # host ints: device done
         now = time.monotonic()
         if self.step_records is not None:
-            self.step_records.append(self._step_record(step, now - start))
+            self.step_records.append(self._step_record(step, now - start, launched - start))
         self.scheduler.step_done(step)
         outputs = []
         for seq, token in zip(step.seqs, tokens, strict=True):
@@ -224,7 +229,9 @@ class LLMEngine:
                 outputs.append(self._output(seq))
         return outputs
 
-    def _step_record(self, step: ScheduledStep, seconds: float) -> StepRecord:
+    def _step_record(
+        self, step: ScheduledStep, seconds: float, launch_seconds: float
+    ) -> StepRecord:
         layers = [len(g.layers) for g in self.plan.groups]
         return StepRecord(
             num_prefill_seqs=len(step.prefills),
@@ -234,6 +241,7 @@ class LLMEngine:
                 n * kv for seq in step.decodes for n, kv in zip(layers, seq.kv_lens, strict=True)
             ),
             seconds=seconds,
+            launch_seconds=launch_seconds,
         )
 
     def _append_text(self, seq: Sequence, token: int) -> str | None:

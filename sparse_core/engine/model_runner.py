@@ -175,16 +175,22 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep, block_manager: BlockManager) -> list[int | None]:
-        """The next token of every sequence of the step, in `step.seqs` order; None where the
-        step fed a forced token."""
+    def launch(self, step: ScheduledStep, block_manager: BlockManager) -> torch.Tensor:
+        """Prepare the step's inputs and enqueue its forward pass; its logits (on the device,
+        possibly not computed yet), in `step.seqs` order."""
         batch = StepBatch(
             self._prepare_prefill(step.prefills) if step.prefills else None,
             self._prepare_decode(step.decodes, block_manager) if step.decodes else None,
         )
+        return self.execute(batch)
+
+    @torch.inference_mode()
+    def sample_tokens(self, step: ScheduledStep, logits: torch.Tensor) -> list[int | None]:
+        """The next token of every sequence of the step, in `step.seqs` order (waits for the
+        device); None where the step fed a forced token or a prompt chunk before the last."""
         seqs = step.seqs
         wanted = [seq.samples_next_token for seq in seqs]
-        return sample(self.execute(batch), seqs, self.generator, wanted)
+        return sample(logits, seqs, self.generator, wanted)
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
