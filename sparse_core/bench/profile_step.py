@@ -1,12 +1,14 @@
-"""Where a prefill step's GPU time goes: `python -m sparse_core.bench.profile_step` (CUDA only).
+"""Where a prefill step's time goes: `python -m sparse_core.bench.profile_step` (CUDA only).
 
 Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
-sequences were admitted, so that their decode rows join the step, as in a mixed step), a few
-times under the torch profiler, and prints the step's wall time, the host's time to launch it,
-and its GPU kernels by total time per step. With `--context N` the prompts are N tokens longer
-and prefilled in chunks: the profiled step is their last chunk, after N cached tokens. A
-prefill's matmuls are 2 FLOPs per token per weight of the decoder layers; the printed roofline
-line compares the matmul kernels' time with that count at `--peak-tflops`.
+sequences were admitted, so that their decode rows join the step, as in a mixed step), times a
+few such steps, then runs one under the torch profiler. Prints the step's wall time, the host's
+time to launch it, its GPU kernels by total time, and the torch ops and CUDA calls by host time
+(Python's own time, Triton's launcher included, is the launch time those do not account for).
+With `--context N` the prompt is N tokens longer and prefilled in chunks: the measured step is
+its last chunk, after N cached tokens. A prefill's matmuls are 2 FLOPs per token per weight of
+the decoder layers; the printed roofline line compares the matmul kernels' time with that count
+at `--peak-tflops`.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         help="cached tokens before the profiled chunk (with --prompts 1, a multiple of "
         "--input-len: the earlier chunks are --input-len tokens too)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps (one more profiled)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--top", type=int, default=20)
     args = parser.parse_args(argv)
@@ -84,14 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         if len(engine.scheduler.running) <= admitted:
             parser.error(f"the KV cache holds only {admitted} of the --running sequences")
 
-    def prefill_step(tag: str) -> float:
+    def admit(tag: str) -> list[str]:
+        """Add the prompts; with a context, run its chunks (not measured)."""
         names = [f"{tag}-{i}" for i in range(args.prompts)]
         for name in names:
             add(name, args.context + args.input_len)
         while args.context and any(
             engine.sequences[name].num_computed_tokens < args.context for name in names
         ):
-            engine.step()  # the context's chunks, not profiled
+            engine.step()
+        return names
+
+    def measured_step(names: list[str]) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.step()
@@ -103,18 +109,24 @@ def main(argv: list[str] | None = None) -> int:
             engine.abort(name)
         return seconds
 
-    prefill_step("warmup")
-    engine.step_records = []
+    measured_step(admit("warmup"))
+    # Timed without the profiler (it slows the host): wall time, and the host's launch time.
+    walls, launches = [], []
+    for r in range(args.repeats):
+        names = admit(f"timed{r}")
+        engine.step_records = []
+        walls.append(measured_step(names))
+        launches.append(engine.step_records[-1].launch_seconds)
+    engine.step_records = None
+    names = admit("profiled")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        walls = [prefill_step(f"profiled{r}") for r in range(args.repeats)]
-    # The profiled steps are the last prefill step of each repeat.
-    profiled = [r for r in engine.step_records if r.is_prefill][-args.repeats :]
-    launch = min(r.launch_seconds for r in profiled)
+        measured_step(names)
 
-    per_kernel: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)  # ms in the step
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3 / args.repeats  # ms/step
+            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
+    host_ops = {a.key: a.self_cpu_time_total / 1e3 for a in prof.key_averages()}
     total = sum(per_kernel.values())
     matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
     tokens = args.prompts * args.input_len
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.prompts} x {args.input_len} tokens after {args.context} cached, {args.running} "
         f"running, {args.policy}: wall {min(walls) * 1e3:.1f} ms per step (the host launched it "
-        f"in {launch * 1e3:.1f} ms), GPU kernels {total:.1f} ms, "
+        f"in {min(launches) * 1e3:.1f} ms), GPU kernels {total:.1f} ms, "
         f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
     )
     print(
@@ -133,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'ms/step':>8} {'share':>6}  kernel")
     for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{t:8.2f} {100 * t / total:5.1f}%  {name[:90]}")
+    host = sum(host_ops.values())
+    print(
+        f"host: {host:.1f} ms in torch ops and CUDA calls, under the profiler (which adds its own)"
+    )
+    print(f"{'ms/step':>8} {'share':>6}  host op or call (self time)")
+    for name, t in sorted(host_ops.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"{t:8.2f} {100 * t / host:5.1f}%  {name[:90]}")
     return 0
 
 
