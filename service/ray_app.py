@@ -33,7 +33,12 @@ from service.errors import APIError, overloaded
 from service.messages import Chunk, GenerateRequest
 from service.metrics import Metrics
 from service.router import KVCapacityRouter
-from service.settings import PoolSpec, ServerSettings, parse_pools
+from service.settings import (
+    PoolSpec,
+    ServerSettings,
+    parse_pools,
+    serving_max_num_batched_tokens,
+)
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
 
@@ -210,7 +215,11 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     from sparse_core.config import EngineConfig, SparsityConfig
 
     cfg = RayAppConfig.from_dict(dict(args))
-    engine = EngineConfig(**{**cfg.engine, "model": cfg.model})
+    engine_args = {**cfg.engine, "model": cfg.model}
+    engine_args["max_num_batched_tokens"] = serving_max_num_batched_tokens(
+        engine_args.get("max_num_batched_tokens"), engine_args.get("max_model_len")
+    )
+    engine = EngineConfig(**engine_args)
     pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
     served_name = cfg.served_model_name or cfg.model
     tensor_parallel_size = engine.tensor_parallel_size

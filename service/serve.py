@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 
+from service.settings import serving_max_num_batched_tokens
 from sparse_core import cli as engine_cli
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
@@ -71,12 +72,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_arg:
         args.model = args.model_arg
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.max_num_batched_tokens is None:
-        # A server is judged by time to first token: one longest prompt per step, so a request
-        # that finds no prompt queued waits for at most the step in flight. Serving 4000-token
-        # prompts on an H200 it kept the throughput of two per step and cut TTFT p50
-        # (docs/benchmarks.md).
-        args.max_num_batched_tokens = args.max_model_len
+    args.max_num_batched_tokens = serving_max_num_batched_tokens(
+        args.max_num_batched_tokens, args.max_model_len
+    )
     engine_config, sparsity = engine_cli.configs_from_args(args)
     if args.ray:
         return _serve_ray(args, engine_config, sparsity)

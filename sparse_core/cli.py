@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens prefilled per step; without chunked prefill prompts are whole, so "
         "at least --max-model-len (default: the larger of --max-model-len and 8192; for "
-        "`kvsparse serve`, --max-model-len)",
+        "`kvsparse serve`, --max-model-len: one longest prompt per step)",
     )
     engine.add_argument(
         "--enable-chunked-prefill",

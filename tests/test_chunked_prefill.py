@@ -124,12 +124,12 @@ def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_grou
     too_long = 16 * pool + 1  # one token more than the sparse pool holds
     with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
         llm.generate([list(range(1, too_long + 1))], SamplingParams(max_tokens=1))
-    # A short prompt too, if a preemption would make it prefill more than that again: its prompt
-    # and outputs so far, in chunks.
-    long_output = SamplingParams(max_tokens=too_long - 10 + 1)
+    # A prompt that fits a step and, compressed, its group, if a preemption would make it
+    # prefill more than the group holds again: its prompt and outputs so far, in chunks.
+    prompt = list(range(1, 51))  # kept 40 + outputs fit the group; staged with them, not
     with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
-        llm.generate([list(range(1, 11))], long_output)
-    assert llm.generate([list(range(1, 11))], SamplingParams(max_tokens=too_long - 10 - 1))
+        llm.generate([prompt], SamplingParams(max_tokens=too_long - 50 + 5))
+    assert llm.generate([prompt], SamplingParams(max_tokens=too_long - 50))
 
 
 def test_step_size_limits():

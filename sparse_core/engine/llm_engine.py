@@ -42,6 +42,7 @@ class StepRecord:
     seconds: float
     # Of those, the host's time until the forward pass was enqueued: inputs prepared, kernels
     # launched. Close to `seconds`, the step is host-bound (the device waited for launches).
+    # Rank 0's host only under tensor parallelism; on CPU the launch runs the step.
     launch_seconds: float
 
     @property
