@@ -123,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         measured_step(names)
 
     per_kernel: dict[str, float] = defaultdict(float)  # ms in the step
+    num_kernels = 0  # launches: the launch time over this is the host's cost per launch
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
+            num_kernels += 1
     # The step ends waiting for the device (the sampled tokens' copy, the synchronisation):
     # those calls' time is the GPU's, not the host's.
     host_ops = {
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.prompts} x {args.input_len} tokens after {args.context} cached, {args.running} "
         f"running, {args.policy}: wall {min(walls) * 1e3:.1f} ms per step (the host launched it "
-        f"in {min(launches) * 1e3:.1f} ms), GPU kernels {total:.1f} ms, "
+        f"in {min(launches) * 1e3:.1f} ms), {num_kernels} GPU kernels {total:.1f} ms, "
         f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
     )
     print(
