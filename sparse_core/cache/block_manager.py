@@ -55,7 +55,6 @@ class BlockManager:
         lens = self.prefill_kv_lens(seq, chunked)
         seq.table_row = self._free_rows.pop()
         seq.prefill_len = seq.num_prefill_tokens
-        seq.chunked_prefill = chunked
         for g, (pool, n) in enumerate(zip(self.pools, lens, strict=True)):
             blocks = pool.allocate(cdiv(n, self.block_size))
             seq.block_tables[g] = blocks
@@ -64,16 +63,17 @@ class BlockManager:
         # Prompt tokens still to come (forced one per step) are kept whole.
         seq.prompt_kv_lens = [n + seq.num_forced_prompt_tokens for n in self.prefill_kv_lens(seq)]
 
-    def end_chunked_prefill(self, seq: Sequence) -> None:
-        """After a chunked prompt's last chunk, which wrote each compressing group's kept tokens
-        to the front of its blocks: those groups free the rest."""
+    def end_prefill(self, seq: Sequence) -> None:
+        """After a prefill's last token, every group keeps only the blocks of its kept tokens.
+        A chunked prefill held all of them, and its last chunk wrote each compressing group's
+        kept tokens to the front of its blocks; a whole prefill holds no more already."""
         for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools, strict=True)):
             kept = group.kept_tokens(seq.prefill_len)
             table = seq.block_tables[g]
-            pool.free(table[cdiv(kept, self.block_size) :])
-            del table[cdiv(kept, self.block_size) :]
+            num_blocks = cdiv(kept, self.block_size)
+            pool.free(table[num_blocks:])
+            del table[num_blocks:]
             seq.kv_lens[g] = kept
-        seq.chunked_prefill = False
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token in every group (a new block where the last one is full)."""

@@ -84,11 +84,13 @@ class Scheduler:
         return ScheduledStep(prefills, decodes)
 
     def step_done(self, step: ScheduledStep) -> None:
-        """Account the tokens the step fed; a chunked prompt's last chunk ends its staging."""
-        for seq in step.seqs:
+        """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""
+        for seq in step.decodes:
+            seq.num_computed_tokens += 1
+        for seq in step.prefills:
             seq.num_computed_tokens += seq.num_scheduled_tokens
-            if seq.chunked_prefill and not seq.is_prefilling:
-                self.block_manager.end_chunked_prefill(seq)
+            if not seq.is_prefilling:
+                self.block_manager.end_prefill(seq)
 
     def _next_chunk(self, remaining: int, budget: int) -> int:
         """Of a prefill's `remaining` tokens, those a step with `budget` left feeds; 0 to wait."""

@@ -38,9 +38,6 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
     num_scheduled_tokens: int = 0  # tokens the current step feeds: a prefill (chunk), or one
     prefill_len: int = 0  # num_prefill_tokens when last admitted: what its (re)prefill feeds
-    # Prefilled over several steps: until its last chunk every group holds the whole prefill,
-    # and the groups that compress it shrink to their kept tokens after that chunk.
-    chunked_prefill: bool = False
     table_row: int = -1  # this sequence's row in the block manager's host block tables
     num_preemptions: int = 0
     first_token_time: float | None = None
@@ -58,7 +55,6 @@ class Sequence:
         self.table_row = -1
         self.num_computed_tokens = 0
         self.prefill_len = 0
-        self.chunked_prefill = False
 
     @property
     def token_ids(self) -> list[int]:
