@@ -21,20 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-model-len", type=int, default=8192)
-    engine.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="prompt tokens prefilled per step; without chunked prefill prompts are whole, so "
-        "at least --max-model-len (default: the larger of --max-model-len and 8192; for "
-        "`kvsparse serve`, --max-model-len: one longest prompt per step)",
-    )
-    engine.add_argument(
-        "--enable-chunked-prefill",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="prefill a prompt that does not fit a step in chunks over several steps",
-    )
+    add_step_size_args(engine)
     engine.add_argument("--block-size", type=int, default=16)
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -70,6 +57,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     sparse.add_argument("--pooling", default="avg", choices=POOLINGS)
     sparse.add_argument("--kernel-size", type=int, default=7)
+
+
+def add_step_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """How many prompt tokens a step prefills, and whether a prompt may span several steps."""
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens prefilled per step; without chunked prefill prompts are whole, so "
+        "at least --max-model-len (default: the larger of --max-model-len and 8192; for "
+        "`kvsparse serve`, --max-model-len: one longest prompt per step)",
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="prefill a prompt that does not fit a step in chunks over several steps",
+    )
 
 
 def parse_full_layers(text: str | None, model: str) -> int | list[int] | str:

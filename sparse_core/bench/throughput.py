@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from sparse_core.cli import add_step_size_args
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
 from sparse_core.engine.model_runner import use_one_host_thread
@@ -219,16 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-layers", type=int, default=3)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4608)
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="prompt tokens per step (default: the engine's, the larger of --max-model-len and "
-        "8192)",
-    )
-    parser.add_argument(
-        "--enable-chunked-prefill", action="store_true", help="prompts longer than a step in chunks"
-    )
+    add_step_size_args(parser)
     parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
