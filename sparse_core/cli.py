@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="hard cap on GPU memory, e.g. 24 to emulate an RTX 4090",
     )
-    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_graph_args(engine)
     engine.add_argument(
         "--tensor-parallel-size",
         "-tp",
@@ -77,6 +77,18 @@ def add_step_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
     )
 
 
+def add_graph_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Which steps replay CUDA graphs."""
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--max-prefill-graph-tokens",
+        type=int,
+        default=2048,
+        help="steps that prefill with up to this many tokens run all but their attention from "
+        "CUDA graphs (0: never)",
+    )
+
+
 def parse_full_layers(text: str | None, model: str) -> int | list[int] | str:
     if text is None:
         return "auto" if has_profile(model) else 3
@@ -104,6 +116,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         gpu_memory_utilization=args.gpu_memory_utilization,
         gpu_memory_limit_gb=args.gpu_memory_limit_gb,
         enforce_eager=args.enforce_eager,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         dtype=args.dtype,

@@ -110,6 +110,10 @@ class EngineConfig:
       chunks over the next steps, so that running sequences keep decoding while it is. Until its
       last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
       groups shrink to their budget after it).
+    max_prefill_graph_tokens: steps that prefill with up to this many tokens (decode rows
+      included) run everything but their attention from CUDA graphs captured at start-up, in
+      buckets of 64 tokens; longer steps, whose device time hides their launches, run eagerly. 0
+      turns these graphs off; enforce_eager turns off every graph.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
@@ -130,6 +134,7 @@ class EngineConfig:
     dtype: str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    max_prefill_graph_tokens: int = 2048
     tensor_parallel_size: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -139,6 +144,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 8192)
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(
+                f"max_prefill_graph_tokens must be at least 0, got {self.max_prefill_graph_tokens}"
+            )
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"

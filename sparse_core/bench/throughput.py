@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparse_core.cli import add_step_size_args
+from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
 from sparse_core.engine.model_runner import use_one_host_thread
@@ -223,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_step_size_args(parser)
     parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_graph_args(parser)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--json", default=None, help="write all results here")
 
@@ -250,6 +250,7 @@ def main(args: argparse.Namespace) -> int:
             expected_input_len=args.input_len,
             expected_output_len=args.output_len,
             enforce_eager=args.enforce_eager,
+            max_prefill_graph_tokens=args.max_prefill_graph_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
         )
         result = run_one(

@@ -27,7 +27,8 @@ from sparse_core.policy import plan_layers
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 2.0
-# Captured decode graphs keep their own activation buffers (one pool shared by all buckets).
+# Captured decode graphs keep their own activation buffers (in the pool the prefill graphs,
+# measured, started).
 CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 
 
@@ -91,9 +92,12 @@ class LLMEngine:
 
     def _start(self, config: EngineConfig, source: ModelSource) -> None:
         self.runner = ModelRunner(config, self.sparsity, source, self.plan, self.workers)
+        # The activation profile runs eagerly, before any graph exists.
+        activations = self._profile_activations()
+        prefill_graphs = self.runner.capture_prefill_graphs()
         blocks = split_kv_memory(
             self.plan,
-            self._kv_cache_bytes(),
+            self._kv_cache_bytes(activations, prefill_graphs),
             self.runner.bytes_per_token_per_layer(),
             config.block_size,
             config.expected_input_len,
@@ -137,14 +141,20 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def _kv_cache_bytes(self) -> int:
+    def _profile_activations(self) -> int:
+        """Bytes of the largest step's activations, when the KV cache is sized by them."""
+        if self.config.kv_cache_memory_gb is not None or self.runner.device.type != "cuda":
+            return 0
+        return self.runner.profile_activation_bytes()
+
+    def _kv_cache_bytes(self, activations: int, prefill_graphs: int) -> int:
+        """prefill_graphs: bytes the prefill graphs' pool took (captured already)."""
         config = self.config
         if config.kv_cache_memory_gb is not None:
             return int(config.kv_cache_memory_gb * 2**30)
         device = self.runner.device
         if device.type != "cuda":
             return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
-        activations = self.runner.profile_activation_bytes()
         weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
         free, total = torch.cuda.mem_get_info(device)
         limit = total * config.gpu_memory_utilization
@@ -152,7 +162,7 @@ class LLMEngine:
             limit = min(limit, config.gpu_memory_limit_gb * 2**30)
         # CUDA context, cuBLAS workspaces and other memory outside torch's allocator.
         outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-        graphs = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
+        graphs = prefill_graphs + (0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES)
         kv = int(limit - weights - activations - outside_torch - graphs)
         logger.info(
             "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "

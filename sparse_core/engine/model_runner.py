@@ -18,6 +18,7 @@ from sparse_core.cache.block_manager import BlockManager, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
@@ -138,6 +139,8 @@ class ModelRunner:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
         self.model.eval()
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PiecewiseGraphs | None = None
+        self.graph_pool: tuple | None = None  # one CUDA graph memory pool for all graphs
         self.generator = torch.Generator().manual_seed(config.seed)
         self.random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
         for attn in self.model.attention_layers:
@@ -217,7 +220,11 @@ class ModelRunner:
             positions += batch.decode.positions
             decode = self._decode_metadata(batch.decode)
         meta = StepMetadata(prefill, decode)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        graphs = self.prefill_graphs
+        if graphs is not None and len(input_ids) <= graphs.max_tokens:
+            hidden = graphs.forward(self._tensor(input_ids), self._tensor(positions), meta)
+        else:
+            hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
         if batch.prefill is not None:  # a decode-only step's rows are all its tokens
             hidden = hidden[self._tensor(rows)]
         return self.model.compute_logits(hidden)
@@ -426,9 +433,27 @@ class ModelRunner:
         self.random_policy_generator.set_state(random_state)
         return torch.cuda.max_memory_allocated(self.device) - before
 
+    def _uses_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    @torch.inference_mode()
+    def capture_prefill_graphs(self) -> int:
+        """Capture the pieces of steps that prefill (before the KV caches exist: the pieces do
+        not read them, and what their memory pool takes can then be left out of the caches);
+        returns the device memory that took (0 when they are off)."""
+        tokens = self.config.max_prefill_graph_tokens
+        if not self._uses_graphs() or tokens == 0:
+            return 0
+        self._on_workers("capture_prefill_graphs")
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        self.prefill_graphs = PiecewiseGraphs(self.model, tokens, self.device)
+        self.graph_pool = self.prefill_graphs.capture(self.graph_pool)
+        return torch.cuda.memory_reserved(self.device) - before
+
     def capture_decode_graphs(self) -> None:
         """After the KV caches exist: capture decode graphs, unless eager mode or not on CUDA."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
+        if not self._uses_graphs():
             return
         self._on_workers("capture_decode_graphs")
         self.graphs = DecodeGraphs(
@@ -439,4 +464,4 @@ class ModelRunner:
             self.config.max_model_len,
             self.device,
         )
-        self.graphs.capture()
+        self.graph_pool = self.graphs.capture(self.graph_pool)

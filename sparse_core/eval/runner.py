@@ -168,7 +168,7 @@ def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: Mo
         kv_cache_memory_gb=settings.kv_cache_memory_gb,
         device=settings.device,
         dtype=settings.dtype,
-        enforce_eager=True,  # graphs only speed up decode, and each engine would capture its own
+        enforce_eager=True,  # each engine would capture its own graphs, for a short run
         **settings.engine_args,
     )
 

@@ -102,10 +102,15 @@ class LlamaAttention(nn.Module):
         self.attn = attn
         self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def project(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], RoPE applied to the q and k heads."""
         qkv = self.qkv_proj(x)
         q_size, kv_size, _ = self.split
         self.rotary.apply_(positions, qkv[:, : q_size + kv_size])
+        return qkv
+
+    def attend(self, qkv: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj)."""
         q, k, v = qkv.split(self.split, dim=-1)
         out = self.attn(
             q.view(-1, self.num_heads, self.head_dim),
@@ -113,7 +118,7 @@ class LlamaAttention(nn.Module):
             v.view(-1, self.num_kv_heads, self.head_dim),
             meta,
         )
-        return self.o_proj(out.flatten(1))
+        return out.flatten(1)
 
 
 class LlamaMLP(nn.Module):
@@ -138,18 +143,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: StepMetadata,
+    # A layer runs in three parts so that CUDA graphs can capture everything between two
+    # attentions (sparse_core.engine.piecewise_graphs): attention_input, self_attn.attend, and
+    # output. x is the previous layer's MLP output, not yet added to the residual stream: the
+    # add happens inside the fused norm.
+
+    def attention_input(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x is the previous layer's MLP output, not yet added to the residual stream: the add
-        happens inside the fused norm."""
+        """(qkv with RoPE applied, residual stream)."""
         h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return self.self_attn.project(positions, h), residual
+
+    def output(
+        self, attn_out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream) from the attention output [T, Hq * D]."""
+        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(h), residual
 
 
@@ -206,10 +216,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        residual = None
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer(positions, x, residual, meta)
+            qkv, residual = layer.attention_input(positions, x, residual)
+            x, residual = layer.output(layer.self_attn.attend(qkv, meta), residual)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
