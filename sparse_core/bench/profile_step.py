@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sparse_core.cli import add_graph_args
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (one more profiled)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--top", type=int, default=20)
+    add_graph_args(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             enable_chunked_prefill=args.context > 0,
             max_num_seqs=max(64, args.running + args.prompts),
             kv_cache_memory_gb=20,
+            enforce_eager=args.enforce_eager,
+            max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         ),
         sparsity,
     )

@@ -8,7 +8,9 @@ rank runs `execute`; only rank 0 samples.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -39,6 +41,8 @@ from sparse_core.policy import LayerPlan, PromptBatch
 
 if TYPE_CHECKING:
     from sparse_core.distributed.driver import TensorParallelWorkers
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -446,10 +450,18 @@ class ModelRunner:
             return 0
         self._on_workers("capture_prefill_graphs")
         torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
+        before, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
         self.prefill_graphs = PiecewiseGraphs(self.model, tokens, self.device)
         self.graph_pool = self.prefill_graphs.capture(self.graph_pool)
-        return torch.cuda.memory_reserved(self.device) - before
+        taken = torch.cuda.memory_reserved(self.device) - before
+        logger.info(
+            "captured prefill graphs for %d token counts up to %d in %.1f s (%.2f GiB)",
+            len(self.prefill_graphs.buckets),
+            tokens,
+            time.perf_counter() - start,
+            taken / 2**30,
+        )
+        return taken
 
     def capture_decode_graphs(self) -> None:
         """After the KV caches exist: capture decode graphs, unless eager mode or not on CUDA."""
