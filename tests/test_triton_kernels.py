@@ -7,11 +7,14 @@ with CUDA the same small cases run compiled, and the `gpu` tests add realistic s
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels import reference as ref
+from sparse_core.models.attention import ChunkContext
 from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
 tk = import_kernels("sparse_core.kernels.triton_kernels", "_prefill_kernel")
@@ -254,6 +257,34 @@ def test_store_selected_kv_is_gather_then_store(num_kv: int) -> None:
     ref.store_kv(ref.gather_tokens(k, indices), ref.gather_tokens(v, indices), *expected, slots)
     tk.store_selected_kv(k, v, indices, *caches, slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+def test_chunk_context_packs_cached_and_new_rows() -> None:
+    """Keys packed apart from the queries, as for prompts continued from earlier chunks: each
+    prompt's cached rows, read from the paged cache (the same slots for every head), then its new
+    rows; both kernel sets."""
+    torch.manual_seed(11)
+    num_kv, head_dim, block_size, num_blocks = 2, 32, 4, 6
+    caches = [_randn(num_blocks, block_size, num_kv, head_dim, dtype=torch.bfloat16) for _ in "kv"]
+    new = [_randn(7, num_kv, head_dim, dtype=torch.bfloat16) for _ in "kv"]
+    # Prompt 0: 5 cached tokens, then 3 new; prompt 1: 2 cached, then 4 new.
+    cached_slots = torch.tensor([9, 10, 11, 12, 13, 3, 0], device=DEVICE)
+    context = ChunkContext(
+        cu_seqlens_k=torch.tensor([0, 8, 14], device=DEVICE),
+        num_keys=14,
+        new_rows=torch.tensor([5, 6, 7, 10, 11, 12, 13], device=DEVICE),
+        cached_rows=torch.tensor([0, 1, 2, 3, 4, 8, 9], device=DEVICE),
+    )
+    expected = []
+    for rows, cache in zip(new, caches, strict=True):
+        packed = rows.new_empty(14, num_kv, head_dim)
+        packed[context.new_rows] = rows
+        packed[context.cached_rows] = cache.flatten(0, 1)[cached_slots]
+        expected.append(packed)
+    triton_ops = SimpleNamespace(store_kv=tk.store_kv, store_selected_kv=tk.store_selected_kv)
+    for ops in (REFERENCE_OPS, triton_ops):
+        packed_k, packed_v = context.pack(ops, *new, *caches, cached_slots)
+        assert torch.equal(packed_k, expected[0]) and torch.equal(packed_v, expected[1])
 
 
 # --- realistic shapes on a GPU (Llama-3-8B attention: 32 query heads, 8 KV heads, D=128) --------

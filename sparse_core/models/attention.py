@@ -47,15 +47,29 @@ class ChunkContext:
 
     def pack(
         self,
-        new: torch.Tensor,
-        cache: torch.Tensor,
+        ops: KernelOps,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
         cached_slots: torch.Tensor,
-    ) -> torch.Tensor:
-        """new [P, Hkv, D] and a paged cache -> the packed keys (or values) [num_keys, Hkv, D]."""
-        packed = new.new_empty(self.num_keys, *new.shape[1:])
-        packed[self.new_rows] = new
-        packed[self.cached_rows] = cache.flatten(0, 1)[cached_slots]
-        return packed
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's k, v [P, Hkv, D] and the paged caches -> packed keys and values
+        [num_keys, Hkv, D], in two launches: the new rows scattered, the cached ones gathered
+        (the same slots for every head) and scattered."""
+        heads = k.shape[1]
+        shape = (self.num_keys, 1, *k.shape[1:])  # as a paged cache of one-token blocks
+        packed_k, packed_v = k.new_empty(shape), v.new_empty(shape)
+        ops.store_kv(k, v, packed_k, packed_v, self.new_rows)
+        ops.store_selected_kv(
+            k_cache.flatten(0, 1),
+            v_cache.flatten(0, 1),
+            cached_slots.expand(heads, -1),
+            packed_k,
+            packed_v,
+            self.cached_rows,
+        )
+        return packed_k.squeeze(1), packed_v.squeeze(1)
 
 
 @dataclass
@@ -162,8 +176,7 @@ class PagedAttention(nn.Module):
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
         cu_seqlens_k = None
         if meta.context is not None:
-            k = meta.context.pack(k, self.k_cache, group.cached_slots)
-            v = meta.context.pack(v, self.v_cache, group.cached_slots)
+            k, v = meta.context.pack(ops, k, v, self.k_cache, self.v_cache, group.cached_slots)
             cu_seqlens_k = meta.context.cu_seqlens_k
         out, lse = ops.prefill_attention(
             q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k
