@@ -58,3 +58,16 @@ def test_rotary_in_place_on_a_qkv_view(dtype, num_q, num_kv, head_dim):
     tf.apply_rotary_(actual[:, :width], positions, cos, sin, head_dim)
     close(actual, expected, dtype)
     assert torch.equal(actual[:, width:], qkv[:, width:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
+    """The launcher reuses a compiled kernel only for arguments Triton would compile the same:
+    after a launch on 16-byte-aligned rows of 4096 columns, rows that start 2 bytes off and are
+    4095 columns long get their own binary (a wrong reuse reads misaligned or past the row)."""
+    weight = torch.rand(4096, device=DEVICE).to(dtype) + 0.5
+    flat = torch.randn(3 * 4096 + 1, device=DEVICE).to(dtype)
+    for x in (flat[: 3 * 4096].view(3, 4096), flat[1:].view(3, 4096), flat[1:4096].view(1, 4095)):
+        for _ in range(2):  # the second launch of each takes the cached binary
+            out, _ = tf.rms_norm(x, weight[: x.shape[1]], 1e-5)
+            close(out, ref.rms_norm(x, weight[: x.shape[1]], 1e-5)[0], dtype)

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_core.kernels.launcher import launch
+
 if triton.knobs.runtime.interpret:
     from sparse_core.kernels.triton_interpreter import apply_interpreter_fixes
 
@@ -48,7 +50,8 @@ def rms_norm(
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
-    _rms_norm_kernel[(rows,)](
+    launch(
+        _rms_norm_kernel, (rows,),
         x, res, weight, out, res_out,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), cols, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
@@ -74,9 +77,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     half = width // 2
     out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(rows, triton.cdiv(half, block))](
-        x, out, x.stride(0), out.stride(0), half, BLOCK=block
-    )
+    launch(
+        _silu_and_mul_kernel, (rows, triton.cdiv(half, block)),
+        x, out, x.stride(0), out.stride(0), half, BLOCK=block,
+    )  # fmt: skip
     return out
 
 
@@ -107,7 +111,8 @@ def apply_rotary_(
     into the fused qkv projection: q and k heads in one launch)."""
     tokens, width = qk.shape
     num_heads = width // head_dim
-    _rotary_kernel[(tokens,)](
+    launch(
+        _rotary_kernel, (tokens,),
         qk, positions, cos, sin, qk.stride(0), cos.stride(0), num_heads,
         HALF=head_dim // 2, BLOCK_H=triton.next_power_of_2(num_heads),
     )  # fmt: skip

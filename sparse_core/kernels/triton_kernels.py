@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_core.kernels.launcher import launch
+
 if triton.knobs.runtime.interpret:
     from .triton_interpreter import apply_interpreter_fixes
 
@@ -233,7 +235,8 @@ def prefill_attention(
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     block_m, block_n, num_warps, num_stages = _prefill_tiles(q)
     grid = (triton.cdiv(max_seqlen, block_m), num_seqs, num_q)
-    _prefill_kernel[grid](
+    launch(
+        _prefill_kernel, grid,
         q, k, v, out, lse, cu_seqlens, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
@@ -336,7 +339,8 @@ def window_scores(
     block_n = 64 if k.is_cuda else 16
     block_w = min(max(triton.next_power_of_2(window), 16), 32 if k.is_cuda else 16)
     grid = (triton.cdiv(num_scored, block_n), num_kv)
-    _window_scores_kernel[grid](
+    launch(
+        _window_scores_kernel, grid,
         q_win, k, lse_win, out, num_scored, window,
         q_win.stride(0), q_win.stride(1), k.stride(0), k.stride(1),
         lse_win.stride(0), lse_win.stride(1), out.stride(0),
@@ -549,7 +553,8 @@ def paged_decode_attention(
         part_lse = torch.empty(batch, num_q, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused when SPLIT is off
-    _paged_decode_kernel[(batch, num_kv, num_splits)](
+    launch(
+        _paged_decode_kernel, (batch, num_kv, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -561,7 +566,8 @@ def paged_decode_attention(
         **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
     if split:
-        _combine_splits_kernel[(batch, num_q)](
+        launch(
+            _combine_splits_kernel, (batch, num_q),
             part_out, part_lse, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_S=max(_MAX_SPLITS, triton.next_power_of_2(num_splits)),
             **_launch_options(q, 4, 1),
@@ -674,7 +680,8 @@ def _move_tokens(
     # 32 rows x D per program: big enough to stream, small enough for many programs per SM.
     block_r = 32 if src_k.is_cuda else 16
     grid = (triton.cdiv(num_rows, block_r), num_heads)
-    _move_tokens_kernel[grid](
+    launch(
+        _move_tokens_kernel, grid,
         src_k, src_v, dst_k, dst_v,
         indices if indices is not None else src_k,  # unused pointer when not GATHER
         slots if slots is not None else src_k,  # unused pointer when not SCATTER

@@ -1,0 +1,67 @@
+"""Launching Triton kernels with less host work than `kernel[grid](...)`.
+
+On every call Triton's JIT binds and specialises each argument, builds a cache-key string and
+checks the kernel's globals before its compiled launcher runs: 25-40 µs of host time per launch on
+an H200 host, against ~8 µs for the launcher alone. An eager step launches hundreds of kernels.
+`launch` keeps each kernel's compiled binaries under a key of what Triton specialises them on
+(each tensor's dtype and 16-byte alignment; each integer's equality to 1, divisibility by 16 and
+32-bit range; the keyword arguments: constexprs and launch options) and calls the binary's
+launcher directly. A call with a new key goes through Triton, which compiles or finds the binary.
+
+Under the interpreter, with Triton's launch hooks set (its profiler), or if the launcher does not
+take the arguments this Triton version was seen to take, every call goes through Triton.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+from triton.runtime.jit import JITFunction
+
+_binaries: dict[tuple, tuple[Any, tuple]] = {}
+_direct = True  # cleared if the compiled launcher rejects the call
+
+
+def _arg_key(arg: object) -> object:
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() & 15 == 0
+    if type(arg) is int:
+        return arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31
+    return arg if arg is None or type(arg) is bool else type(arg)
+
+
+def _hooks_set() -> bool:
+    runtime = triton.knobs.runtime
+    hooks = (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return any(getattr(hook, "calls", hook) for hook in hooks)  # a HookChain, or None
+
+
+def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
+    """`kernel[grid](*args, **kwargs)`, where kwargs are the kernel's constexprs (every parameter
+    after the positional ones) and launch options (num_warps, num_stages)."""
+    global _direct
+    if not _direct or not isinstance(kernel, JITFunction) or _hooks_set():
+        kernel[grid](*args, **kwargs)
+        return
+    key = (kernel, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+    cached = _binaries.get(key)
+    if cached is None:
+        binary = kernel[grid](*args, **kwargs)
+        # The launcher takes every parameter in signature order, constexprs included.
+        constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
+        _binaries[key] = (binary, constexprs)
+        return
+    binary, constexprs = cached
+    grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
+    device = triton.runtime.driver.active.get_current_device()
+    stream = triton.runtime.driver.active.get_current_stream(device)
+    try:
+        binary.run(
+            grid_x, grid_y, grid_z, stream, binary.function, binary.packed_metadata,
+            None, None, None, *args, *constexprs,
+        )  # fmt: skip
+    except TypeError:  # another Triton's launcher signature: rejected before launching
+        _direct = False
+        kernel[grid](*args, **kwargs)
