@@ -83,9 +83,9 @@ def add_graph_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     parser.add_argument(
         "--max-prefill-graph-tokens",
         type=int,
-        default=2048,
+        default=None,
         help="steps that prefill with up to this many tokens run all but their attention from "
-        "CUDA graphs (0: never)",
+        "CUDA graphs (default: with chunked prefill every step, up to 2048; else 512; 0: never)",
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.config import EngineConfig
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs, token_buckets
 from sparse_core.models.loader import load_model_source
 
@@ -77,3 +78,14 @@ def test_the_pieces_fill_the_static_buffers_row_by_row():
     for piece in range(graphs.num_pieces):
         graphs.run_piece(piece, 64)
     torch.testing.assert_close(graphs.hidden[:40], first, rtol=0, atol=0)
+
+
+def test_default_graph_sizes_cover_every_chunked_step_and_short_prompts_otherwise():
+    assert EngineConfig(max_model_len=4608).max_prefill_graph_tokens == 512
+    chunked = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=1024)
+    assert chunked.max_prefill_graph_tokens == 1024 + 64  # and max_num_seqs decode rows
+    large = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=4096)
+    assert large.max_prefill_graph_tokens == 2048
+    assert EngineConfig(max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        EngineConfig(max_prefill_graph_tokens=-1)
