@@ -114,3 +114,15 @@ def test_chat_uses_the_model_template(dense_llm):
     assert out.prompt_token_ids == dense_llm.tokenizer.encode(
         dense_llm.tokenizer.apply_chat_template(messages), add_special_tokens=False
     )
+
+
+def test_mlp_slices_do_not_change_greedy_tokens(dense_llm, monkeypatch):
+    """A step's MLP over slices of 16 tokens (prefill steps of ~150 tokens: ten slices) gives the
+    tokens of one MLP over the whole step."""
+    from sparse_core.models import llama
+
+    prompts = [*PROMPTS, " ".join(["The history of the city begins"] * 20)]
+    whole = dense_llm.generate(prompts, GREEDY_64)
+    monkeypatch.setattr(llama, "MLP_SLICE_TOKENS", 16)
+    sliced = dense_llm.generate(prompts, GREEDY_64)
+    assert [o.token_ids for o in sliced] == [o.token_ids for o in whole]
