@@ -11,11 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
-from sparse_core.kernels.reference import top_indices
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -167,10 +165,10 @@ def select_kept_tokens(
     [j * budget, (j + 1) * budget). Every step after the scores is batched over the prompts, so
     the launches per layer do not grow with the number of prompts.
     """
-    device = k.device
     sinks = sparsity.sinks
     bounds, starts, lengths = prompts.bounds, prompts.starts, prompts.lengths
     if sparsity.policy == "streamingllm":
+        device = k.device
         recent = budget - sinks
         positions = torch.cat(
             [
@@ -179,15 +177,22 @@ def select_kept_tokens(
             ],
             dim=1,
         )
-        kept = positions.unsqueeze(1).expand(-1, k.shape[1], -1)
-    else:
-        scores = [
-            _window_scores(sparsity, q, k, lse, b, e, scale, ops, generator, kv_heads)
-            for b, e in zip(bounds, prompts.query_ends, strict=True)
-        ]
-        kept = _top_tokens(sparsity, budget, scores, lengths)
-    rows = kept + starts.view(-1, 1, 1)  # [S, Hkv, budget]
-    return rows.permute(1, 0, 2).reshape(k.shape[1], -1)
+        rows = positions.unsqueeze(1).expand(-1, k.shape[1], -1) + starts.view(-1, 1, 1)
+        return rows.permute(1, 0, 2).reshape(k.shape[1], -1)
+    scores = [
+        _window_scores(sparsity, q, k, lse, b, e, scale, ops, generator, kv_heads)
+        for b, e in zip(bounds, prompts.query_ends, strict=True)
+    ]
+    return ops.select_kept_rows(
+        scores,
+        lengths - sparsity.window,
+        starts,
+        budget,
+        sparsity.window,
+        sinks,
+        sparsity.pooling,
+        sparsity.kernel_size,
+    )
 
 
 def _window_scores(
@@ -218,53 +223,3 @@ def _window_scores(
         else lse[:, query_end - window : query_end]
     )
     return ops.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)
-
-
-def _top_tokens(
-    sparsity: SparsityConfig, budget: int, scores: list[torch.Tensor], lengths: torch.Tensor
-) -> torch.Tensor:
-    """Pool, then keep sinks + window + the best of the rest: [S, Hkv, budget], ascending.
-
-    The batched twin of `reference.pool_scores` + `reference.select_top_tokens` (their test
-    oracle): prompts of different lengths are padded, and padding takes part in nothing.
-    """
-    window, sinks = sparsity.window, sparsity.sinks
-    num_kv = scores[0].shape[0]
-    width = max(s.shape[1] for s in scores)
-    device = scores[0].device
-    padded = torch.zeros(len(scores), num_kv, width, device=device)
-    for i, s in enumerate(scores):
-        padded[i, :, : s.shape[1]] = s
-    index = torch.arange(width, device=device)
-    scored = index < (lengths - window).unsqueeze(1)  # [S, width]: real, non-window tokens
-    pooled = _pool(padded, scored, sparsity.pooling, sparsity.kernel_size)
-    selectable = scored & (index >= sinks)
-    pooled = pooled.masked_fill(~selectable.unsqueeze(1), float("-inf"))
-    top = top_indices(pooled, budget - window - sinks)
-    forced = torch.cat(
-        [
-            torch.arange(sinks, device=device).expand(len(scores), -1),
-            (lengths - window).unsqueeze(1) + torch.arange(window, device=device),
-        ],
-        dim=1,
-    )
-    kept = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
-    return kept.sort(dim=-1).values
-
-
-def _pool(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel_size: int):
-    """Pool [S, Hkv, width] over tokens where `valid` [S, width]; the window never crosses into
-    padding (like count_include_pad=False at a sequence's end)."""
-    if pooling == "none" or kernel_size <= 1:
-        return scores
-    pad = kernel_size // 2
-    flat = scores.flatten(0, 1).unsqueeze(1)  # [S * Hkv, 1, width]
-    mask = valid.unsqueeze(1).expand_as(scores).flatten(0, 1).unsqueeze(1).float()
-    if pooling == "avg":
-        sums = F.avg_pool1d(flat * mask, kernel_size, 1, pad, count_include_pad=True)
-        counts = F.avg_pool1d(mask, kernel_size, 1, pad, count_include_pad=True)
-        return (sums / counts.clamp_min(1e-9)).view_as(scores)
-    if pooling == "max":
-        filled = flat.masked_fill(mask == 0, float("-inf"))
-        return F.max_pool1d(filled, kernel_size, 1, pad).view_as(scores)
-    raise ValueError(f"unknown pooling {pooling!r}")

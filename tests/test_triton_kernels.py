@@ -6,6 +6,7 @@ with CUDA the same small cases run compiled, and the `gpu` tests add realistic s
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -259,6 +260,28 @@ def test_store_selected_kv_is_gather_then_store(num_kv: int) -> None:
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
+@pytest.mark.parametrize("pooling", ["avg", "max", "none"])
+@pytest.mark.parametrize("lengths", [[150], [41, 97, 64]])
+@pytest.mark.parametrize("tied", [False, True])
+def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], tied: bool) -> None:
+    """Pooling, top-k and the kept rows of several prompts in one launch, exactly the torch
+    selection's; with scores of a few distinct values, ties go to the earlier token as there."""
+    torch.manual_seed(len(lengths) + 3 * tied)
+    window, sinks, budget, num_kv = 8, 3, 40, 2
+    scores = [
+        torch.randint(0, 4, (num_kv, n - window), device=DEVICE).float()
+        if tied
+        else torch.rand(num_kv, n - window, device=DEVICE)
+        for n in lengths
+    ]
+    scored_lens = torch.tensor([n - window for n in lengths], device=DEVICE)
+    starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=DEVICE)
+    args = (scores, scored_lens, starts, budget, window, sinks, pooling, 7)
+    kept = tk.select_kept_rows(*args)
+    assert kept.shape == (num_kv, budget * len(lengths))
+    assert torch.equal(kept, ref.select_kept_rows(*args))
+
+
 def test_chunk_context_packs_cached_and_new_rows() -> None:
     """Keys packed apart from the queries, as for prompts continued from earlier chunks: each
     prompt's cached rows, read from the paged cache (the same slots for every head), then its new
@@ -363,3 +386,24 @@ def test_gpu_store_and_compact_4000_tokens() -> None:
         ref.gather_tokens(k, indices), ref.gather_tokens(v, indices), *expected, kept_slots
     )
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_gpu_select_kept_rows_of_4000_and_2500_tokens(pooling: str) -> None:
+    """Llama-3-8B's 8 KV heads, budget 512, window 32: several tiles per prompt."""
+    torch.manual_seed(17)
+    lengths, window = [4000, 2500], 32
+    scores = [torch.rand(8, n - window, device=DEVICE) for n in lengths]
+    args = (
+        scores,
+        torch.tensor([n - window for n in lengths], device=DEVICE),
+        torch.tensor([0, lengths[0]], device=DEVICE),
+        512,
+        window,
+        4,
+        pooling,
+        7,
+    )
+    assert torch.equal(tk.select_kept_rows(*args), ref.select_kept_rows(*args))

@@ -22,6 +22,7 @@ class KernelOps:
     prefill_attention: Callable
     window_lse: Callable
     window_scores: Callable
+    select_kept_rows: Callable
     store_kv: Callable
     store_selected_kv: Callable
     paged_decode_attention: Callable
@@ -39,6 +40,7 @@ REFERENCE_OPS = KernelOps(
     prefill_attention=_sdpa_prefill,
     window_lse=reference.window_lse,
     window_scores=reference.window_scores,
+    select_kept_rows=reference.select_kept_rows,
     store_kv=reference.store_kv,
     store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
@@ -57,6 +59,7 @@ def _triton_ops() -> KernelOps:
         prefill_attention=tk.prefill_attention,
         window_lse=reference.window_lse,  # unused: the Triton prefill kernel emits LSE
         window_scores=tk.window_scores,
+        select_kept_rows=tk.select_kept_rows,
         store_kv=tk.store_kv,
         store_selected_kv=tk.store_selected_kv,
         paged_decode_attention=tk.paged_decode_attention,

@@ -176,6 +176,67 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
+def select_kept_rows(
+    scores: list[torch.Tensor],
+    scored_lens: torch.Tensor,
+    starts: torch.Tensor,
+    budget: int,
+    window: int,
+    sinks: int,
+    pooling: str,
+    kernel_size: int,
+) -> torch.Tensor:
+    """Pool, then keep sinks + window + the best of the rest, for several prompts at once.
+
+    scores: per prompt, float32 [Hkv, n_j - window] (its non-window tokens); scored_lens [S] the
+    same lengths on the device; starts [S] each prompt's first row among the packed keys. Returns
+    int64 [Hkv, S * budget]: prompt j's kept rows (its token indices + starts[j]), ascending, in
+    columns [j * budget, (j + 1) * budget). The batched twin of `pool_scores` +
+    `select_top_tokens` (their test oracle): prompts of different lengths are padded, and padding
+    takes part in nothing. Ties go to the earlier token, as in `top_indices`.
+    """
+    num_kv = scores[0].shape[0]
+    width = max(s.shape[1] for s in scores)
+    device = scores[0].device
+    padded = torch.zeros(len(scores), num_kv, width, device=device)
+    for i, s in enumerate(scores):
+        padded[i, :, : s.shape[1]] = s
+    index = torch.arange(width, device=device)
+    scored = index < scored_lens.unsqueeze(1)  # [S, width]: real, non-window tokens
+    pooled = _pool_padded(padded, scored, pooling, kernel_size)
+    selectable = scored & (index >= sinks)
+    pooled = pooled.masked_fill(~selectable.unsqueeze(1), float("-inf"))
+    top = top_indices(pooled, budget - window - sinks)
+    forced = torch.cat(
+        [
+            torch.arange(sinks, device=device).expand(len(scores), -1),
+            scored_lens.unsqueeze(1) + torch.arange(window, device=device),
+        ],
+        dim=1,
+    )
+    kept = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
+    rows = kept.sort(dim=-1).values + starts.view(-1, 1, 1)  # [S, Hkv, budget]
+    return rows.permute(1, 0, 2).reshape(num_kv, -1)
+
+
+def _pool_padded(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel_size: int):
+    """Pool [S, Hkv, width] over tokens where `valid` [S, width]; the window never crosses into
+    padding (like count_include_pad=False at a sequence's end)."""
+    if pooling == "none" or kernel_size <= 1:
+        return scores
+    pad = kernel_size // 2
+    flat = scores.flatten(0, 1).unsqueeze(1)  # [S * Hkv, 1, width]
+    mask = valid.unsqueeze(1).expand_as(scores).flatten(0, 1).unsqueeze(1).float()
+    if pooling == "avg":
+        sums = F.avg_pool1d(flat * mask, kernel_size, 1, pad, count_include_pad=True)
+        counts = F.avg_pool1d(mask, kernel_size, 1, pad, count_include_pad=True)
+        return (sums / counts.clamp_min(1e-9)).view_as(scores)
+    if pooling == "max":
+        filled = flat.masked_fill(mask == 0, float("-inf"))
+        return F.max_pool1d(filled, kernel_size, 1, pad).view_as(scores)
+    raise ValueError(f"unknown pooling {pooling!r}")
+
+
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """x [n, Hkv, D], indices [Hkv, B] -> [B, Hkv, D] with out[j, h] = x[indices[h, j], h]."""
     idx = indices.t().unsqueeze(-1).expand(-1, -1, x.shape[-1])

@@ -15,6 +15,7 @@ from sparse_core.eval.calibrate import comparison_configs
 from sparse_core.eval.report import summarize
 from sparse_core.eval.runner import EvalConfig, RunSettings, run_suite
 from sparse_core.eval.tasks import TaskBuilder
+from sparse_core.kernels import reference
 from sparse_core.kernels.reference import top_indices
 
 TASKS = ("passkey", "niah_single_english", "niah_multikey")
@@ -66,7 +67,7 @@ def test_selecting_the_wrong_tokens_fails(samples, calibrated_layers, accuracy, 
     def lowest(scores: torch.Tensor, k: int) -> torch.Tensor:
         return top_indices(torch.where(torch.isinf(scores), scores, -scores), k)
 
-    monkeypatch.setattr(policy, "top_indices", lowest)
+    monkeypatch.setattr(reference, "top_indices", lowest)
     config = EvalConfig("snapkv", 2.0, calibrated_layers, match_effective=True, label="bug")
     buggy = summarize(run_suite([config], samples, SETTINGS, progress=False))[0].overall
     assert buggy <= accuracy["calibrated@2x"] - BUG_DROP, buggy
