@@ -578,8 +578,9 @@ def paged_decode_attention(
 # ---------------------------------------------------------------------------------------------
 # 3b. Token selection: pooling, top-k and the kept rows in one launch
 #
-# The same selection in torch (`reference.select_kept_rows`) is ~28 small ops per layer, ~15 ms of
-# host time per compressing step of a 32-layer model; the device work is a few µs per layer.
+# The same selection in torch (`reference.select_kept_rows`) is ~28 small ops per layer, ~12 ms of
+# host time per compressing step of a 32-layer model. On an H200 this kernel takes 38 µs per layer
+# for a 4,000-token prompt (one program per prompt and KV head), less than torch's two sorts.
 # ---------------------------------------------------------------------------------------------
 
 _POOLING = {"none": 0, "avg": 1, "max": 2}
