@@ -890,8 +890,8 @@ def store_selected_kv(
     """Compaction in one kernel: cache[slot_mapping[j], h] = k/v[indices[h, j], h].
 
     k, v [n, Hkv, D] hold a prompt's keys and values (e.g. a prefill scratch buffer); indices
-    [Hkv, B] are the kept tokens per head (from `select_top_tokens`, whose top-k stays
-    `torch.topk`); slot_mapping [B] the paged slots of the B kept positions (-1 skips).
+    [Hkv, B] are the kept tokens per head (from `select_kept_rows`); slot_mapping [B] the paged
+    slots of the B kept positions (-1 skips).
     """
     assert indices.stride(-1) == 1
     _move_tokens(
