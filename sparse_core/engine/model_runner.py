@@ -445,7 +445,11 @@ class ModelRunner:
         """Capture the pieces of steps that prefill (before the KV caches exist: the pieces do
         not read them, and what their memory pool takes can then be left out of the caches);
         returns the device memory that took (0 when they are off)."""
-        tokens = self.config.max_prefill_graph_tokens
+        config = self.config
+        # No step holds more than a full step of prompt tokens and a decode row per sequence.
+        tokens = min(
+            config.max_prefill_graph_tokens, config.max_num_batched_tokens + config.max_num_seqs
+        )
         if not self._uses_graphs() or tokens == 0:
             return 0
         self._on_workers("capture_prefill_graphs")
