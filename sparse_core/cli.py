@@ -85,7 +85,8 @@ def add_graph_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) ->
         type=int,
         default=None,
         help="steps that prefill with up to this many tokens run all but their attention from "
-        "CUDA graphs (default: with chunked prefill every step, up to 2048; else 512; 0: never)",
+        "CUDA graphs (default: with chunked prefill every step of up to 2048 prompt tokens; "
+        "else 512; 0: never)",
     )
 
 

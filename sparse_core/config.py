@@ -113,10 +113,11 @@ class EngineConfig:
     max_prefill_graph_tokens: steps that prefill with up to this many tokens (decode rows
       included) run everything but their attention from CUDA graphs captured at start-up, in
       buckets of 64 tokens; longer steps, whose device time hides their launches, run eagerly. The
-      graphs' memory (about 0.26 GiB for 2048 tokens of Llama-3-8B) comes out of the KV cache.
-      None: with chunked prefill, every step (max_num_batched_tokens plus max_num_seqs decode
-      rows) up to 2048; without, 512 (steps of short prompts). 0 turns these graphs off;
-      enforce_eager turns off every graph.
+      graphs' memory (about 0.26 GiB for 2048 tokens of Llama-3-8B) comes out of the KV cache
+      when that is sized from GPU memory (on top of kv_cache_memory_gb otherwise). None: with
+      chunked prefill and max_num_batched_tokens up to 2048, every step (its prompt tokens plus
+      max_num_seqs decode rows), else 2048; without chunked prefill, 512 (steps of short
+      prompts). 0 turns these graphs off; enforce_eager turns off every graph.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
@@ -148,11 +149,11 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 8192)
         if self.max_prefill_graph_tokens is None:
-            self.max_prefill_graph_tokens = (
-                min(2048, self.max_num_batched_tokens + self.max_num_seqs)
-                if self.enable_chunked_prefill
-                else 512
-            )
+            step = self.max_num_batched_tokens
+            if not self.enable_chunked_prefill:
+                self.max_prefill_graph_tokens = 512
+            else:
+                self.max_prefill_graph_tokens = step + self.max_num_seqs if step <= 2048 else 2048
         if self.max_prefill_graph_tokens < 0:
             raise ValueError(
                 f"max_prefill_graph_tokens must be at least 0, got {self.max_prefill_graph_tokens}"

@@ -69,13 +69,13 @@ def test_the_pieces_fill_the_static_buffers_row_by_row():
     vocab = runner.model.config.vocab_size
     graphs.input_ids.random_(0, vocab)
     graphs.positions.random_(0, 256)
-    for piece in range(graphs.num_pieces):
+    for piece in range(runner.model.num_pieces):
         graphs.run_piece(piece, 64)
     first = graphs.hidden[:40].clone()
     graphs.input_ids[40:].random_(0, vocab)
     graphs.attn_out[40:].normal_()
     graphs.residual[40:].normal_()
-    for piece in range(graphs.num_pieces):
+    for piece in range(runner.model.num_pieces):
         graphs.run_piece(piece, 64)
     torch.testing.assert_close(graphs.hidden[:40], first, rtol=0, atol=0)
 
@@ -84,6 +84,8 @@ def test_default_graph_sizes_cover_every_chunked_step_and_short_prompts_otherwis
     assert EngineConfig(max_model_len=4608).max_prefill_graph_tokens == 512
     chunked = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=1024)
     assert chunked.max_prefill_graph_tokens == 1024 + 64  # and max_num_seqs decode rows
+    full = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=2048)
+    assert full.max_prefill_graph_tokens == 2048 + 64
     large = EngineConfig(enable_chunked_prefill=True, max_num_batched_tokens=4096)
     assert large.max_prefill_graph_tokens == 2048
     assert EngineConfig(max_prefill_graph_tokens=0).max_prefill_graph_tokens == 0

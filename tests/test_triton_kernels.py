@@ -282,6 +282,15 @@ def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], ti
     assert torch.equal(kept, ref.select_kept_rows(*args))
 
 
+def test_select_kept_rows_ties_signed_zeros_as_equals() -> None:
+    """-0.0 and 0.0 are one value to a sort; the earlier of them is kept."""
+    scores = [torch.tensor([[1.0, -0.0, 0.0, 0.0, 2.0, 1.0, -1.0, 0.5, 0.5]], device=DEVICE)]
+    args = (scores, torch.tensor([9], device=DEVICE), torch.tensor([0], device=DEVICE), 8, 2, 0)
+    kept = tk.select_kept_rows(*args, "none", 1)
+    assert torch.equal(kept, ref.select_kept_rows(*args, "none", 1))
+    assert kept.tolist() == [[0, 1, 4, 5, 7, 8, 9, 10]]
+
+
 def test_chunk_context_packs_cached_and_new_rows() -> None:
     """Keys packed apart from the queries, as for prompts continued from earlier chunks: each
     prompt's cached rows, read from the paged cache (the same slots for every head), then its new

@@ -73,9 +73,12 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def capture(self, pool: tuple | None = None) -> tuple:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool;
-        returns that pool (the graphs' outputs stay allocated in it)."""
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool.
+
+        The pool is these graphs' own: their logits stay in it, read after the replay, and no
+        other graph's replay may write there meanwhile."""
+        pool = None
         for batch in reversed(self.buckets):
             self._forward(batch)  # warm-up: Triton compiles and autotunes outside the graph
             torch.cuda.synchronize()
@@ -85,7 +88,6 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[batch] = (graph, logits)
         torch.cuda.synchronize()
-        return pool
 
     def run(self, step: DecodeBatch) -> torch.Tensor:
         """Logits [B, V] of the step (a view into the graph's output buffer)."""

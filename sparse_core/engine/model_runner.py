@@ -142,9 +142,8 @@ class ModelRunner:
         else:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
         self.model.eval()
-        self.graphs: DecodeGraphs | None = None
+        self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
-        self.graph_pool: tuple | None = None  # one CUDA graph memory pool for all graphs
         self.generator = torch.Generator().manual_seed(config.seed)
         self.random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
         for attn in self.model.attention_layers:
@@ -204,8 +203,8 @@ class ModelRunner:
         """Every rank's part of a step: the forward pass; logits [B, V] (full vocabulary), the
         prompts' last tokens first, then the decoded tokens."""
         self._on_workers("execute", batch)
-        if batch.prefill is None and self.graphs is not None:
-            return self.graphs.run(batch.decode)
+        if batch.prefill is None and self.decode_graphs is not None:
+            return self.decode_graphs.run(batch.decode)
         return self._forward(batch)
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
@@ -457,7 +456,7 @@ class ModelRunner:
         torch.cuda.empty_cache()  # as capturing does: the difference is then the graphs' alone
         before, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
         self.prefill_graphs = PiecewiseGraphs(self.model, tokens, self.device)
-        self.graph_pool = self.prefill_graphs.capture(self.graph_pool)
+        self.prefill_graphs.capture()
         taken = torch.cuda.memory_reserved(self.device) - before
         logger.info(
             "captured prefill graphs for %d token counts up to %d in %.1f s (%.2f GiB)",
@@ -473,7 +472,7 @@ class ModelRunner:
         if not self._uses_graphs():
             return
         self._on_workers("capture_decode_graphs")
-        self.graphs = DecodeGraphs(
+        self.decode_graphs = DecodeGraphs(
             self.model,
             len(self.plan.groups),
             self.config.max_num_seqs,
@@ -481,4 +480,4 @@ class ModelRunner:
             self.config.max_model_len,
             self.device,
         )
-        self.graph_pool = self.graphs.capture(self.graph_pool)
+        self.decode_graphs.capture()

@@ -55,26 +55,21 @@ class PiecewiseGraphs:
     def max_tokens(self) -> int:
         return self.buckets[-1]
 
-    @property
-    def num_pieces(self) -> int:
-        return len(self.model.model.layers) + 1
-
     def run_piece(self, piece: int, tokens: int) -> None:
-        """Piece i: layer i - 1 after its attention (none for i = 0: the embedding), then layer
-        i up to its attention (the final norm for the last piece), static buffers in and out."""
-        layers = self.model.model.layers
-        positions = self.positions[:tokens]
-        residual = self.residual[:tokens]
-        if piece == 0:
-            x, res = self.model.model.embed_tokens(self.input_ids[:tokens]), None
-        else:
-            x, res = layers[piece - 1].output(self.attn_out[:tokens], residual)
-        if piece == len(layers):
-            self.hidden[:tokens].copy_(self.model.model.norm(x, res)[0])
+        """`LlamaForCausalLM.piece` on the first `tokens` rows of the static buffers."""
+        rows = slice(0, tokens)
+        out, residual = self.model.piece(
+            piece,
+            self.positions[rows],
+            input_ids=self.input_ids[rows],
+            attn_out=self.attn_out[rows],
+            residual=self.residual[rows],
+        )
+        if residual is None:  # the last piece
+            self.hidden[rows].copy_(out)
             return
-        qkv, res = layers[piece].attention_input(positions, x, res)
-        self.qkv[:tokens].copy_(qkv)
-        residual.copy_(res)
+        self.qkv[rows].copy_(out)
+        self.residual[rows].copy_(residual)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
@@ -87,27 +82,29 @@ class PiecewiseGraphs:
         self.input_ids[:tokens].copy_(input_ids)
         self.positions[:tokens].copy_(positions)
         graphs = self.graphs.get(bucket)
-        for piece in range(self.num_pieces):
+        layers = self.model.model.layers
+        for piece in range(self.model.num_pieces):
             if graphs is not None:
                 graphs[piece].replay()
             else:
                 self.run_piece(piece, bucket)
-            if piece < len(self.model.model.layers):
-                attention = self.model.model.layers[piece].self_attn
-                self.attn_out[:tokens].copy_(attention.attend(self.qkv[:tokens], meta))
+            if piece < len(layers):
+                attn_out = layers[piece].self_attn.attend(self.qkv[:tokens], meta)
+                self.attn_out[:tokens].copy_(attn_out)
         return self.hidden[:tokens]
 
     @torch.inference_mode()
-    def capture(self, pool: tuple | None = None) -> tuple:
-        """Capture every bucket's pieces, largest first so the smaller ones reuse its memory;
-        returns the graphs' memory pool (which other graphs may share: none of these pieces'
-        tensors outlives its replay)."""
+    def capture(self) -> None:
+        """Capture every bucket's pieces, largest first so the smaller ones reuse its memory (a
+        pool of their own: a piece's outputs are copied to the static buffers, and the rest of
+        its tensors die with its replay)."""
+        pool = None
         for bucket in reversed(self.buckets):
-            for piece in range(self.num_pieces):  # warm-up: Triton compiles outside the graph
+            for piece in range(self.model.num_pieces):  # warm-up: Triton compiles outside the graph
                 self.run_piece(piece, bucket)
             torch.cuda.synchronize()
             graphs = []
-            for piece in range(self.num_pieces):
+            for piece in range(self.model.num_pieces):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.run_piece(piece, bucket)
@@ -115,4 +112,3 @@ class PiecewiseGraphs:
                 graphs.append(graph)
             self.graphs[bucket] = graphs
         torch.cuda.synchronize()
-        return pool

@@ -3,9 +3,9 @@
 On every call Triton's JIT binds and specialises each argument, builds a cache-key string and
 checks the kernel's globals before its compiled launcher runs: 25-40 µs of host time per launch on
 an H200 host, against ~8 µs for the launcher alone. An eager step launches hundreds of kernels.
-`launch` keeps each kernel's compiled binaries under a key of what Triton specialises them on
-(each tensor's dtype and 16-byte alignment; each integer's equality to 1, divisibility by 16 and
-32-bit range; the keyword arguments: constexprs and launch options) and calls the binary's
+`launch` keeps each kernel's compiled binaries under a key of the device and of what Triton
+specialises them on (each tensor's dtype and 16-byte alignment; each integer's equality to 1,
+divisibility by 16 and 32-bit range; the keyword arguments: constexprs and launch options) and calls the binary's
 launcher directly. A call with a new key goes through Triton, which compiles or finds the binary.
 
 Under the interpreter, with Triton's launch hooks set (its profiler), or if the launcher does not
@@ -45,18 +45,20 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: 
     if not _direct or not isinstance(kernel, JITFunction) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
-    key = (kernel, tuple(map(_arg_key, args)), tuple(kwargs.items()))
+    driver = triton.runtime.driver.active
+    device = driver.get_current_device()  # a binary is loaded in one device's context
+    key = (kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     cached = _binaries.get(key)
     if cached is None:
         binary = kernel[grid](*args, **kwargs)
-        # The launcher takes every parameter in signature order, constexprs included.
-        constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
-        _binaries[key] = (binary, constexprs)
+        if binary is not None:  # None: a cache hook of Triton's took over the launch
+            # The launcher takes every parameter in signature order, constexprs included.
+            constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
+            _binaries[key] = (binary, constexprs)
         return
     binary, constexprs = cached
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]
-    device = triton.runtime.driver.active.get_current_device()
-    stream = triton.runtime.driver.active.get_current_stream(device)
+    stream = driver.get_current_stream(device)
     try:
         binary.run(
             grid_x, grid_y, grid_z, stream, binary.function, binary.packed_metadata,

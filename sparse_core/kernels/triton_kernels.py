@@ -589,12 +589,18 @@ _POOLING = {"none": 0, "avg": 1, "max": 2}
 @triton.jit
 def _order_keys(pooled, selectable):
     """uint32 keys that order as the floats do; 0 (below every float) where not selectable."""
-    bits = pooled.to(tl.uint32, bitcast=True)
+    bits = (pooled + 0.0).to(tl.uint32, bitcast=True)  # + 0.0: -0.0 becomes 0.0, its equal
     keys = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     return tl.where(selectable, keys, 0)
 
 
-@triton.jit(do_not_specialize=["stride_sp", "stride_sh", "stride_kp", "stride_kh", "stride_oh"])
+# budget, window and sinks are arguments, not constexprs: layer groups of different budgets
+# (pyramid) share one compiled kernel.
+@triton.jit(
+    do_not_specialize=[
+        "stride_sp", "stride_sh", "stride_kp", "stride_kh", "stride_oh", "budget", "window", "sinks"
+    ]
+)  # fmt: skip
 def _select_kept_kernel(
     scores_ptr,
     scored_lens_ptr,
@@ -606,9 +612,9 @@ def _select_kept_kernel(
     stride_kp,
     stride_kh,
     stride_oh,
-    BUDGET: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SINKS: tl.constexpr,
+    budget,
+    window,
+    sinks,
     POOLING: tl.constexpr,  # 0 none, 1 avg, 2 max
     KERNEL_SIZE: tl.constexpr,
     SINKS_BLOCK: tl.constexpr,
@@ -619,7 +625,7 @@ def _select_kept_kernel(
 
     1. Pool the scores (as `reference.select_kept_rows`: over real tokens only) into a row of
        order-preserving uint32 keys, sinks and padding set to 0.
-    2. Radix-select the (BUDGET - WINDOW - SINKS)-th largest key, 8 bits per pass, with a
+    2. Radix-select the (budget - window - sinks)-th largest key, 8 bits per pass, with a
        histogram of the keys that share the bits found so far.
     3. Write the sinks, every key above that threshold and, in token order, as many keys equal
        to it as are still needed (ties go to the earlier token, as a stable sort's would), then
@@ -631,7 +637,7 @@ def _select_kept_kernel(
     start = tl.load(starts_ptr + prompt)
     scores = scores_ptr + prompt * stride_sp + head * stride_sh
     keys_row = keys_ptr + prompt * stride_kp + head * stride_kh
-    out = out_ptr + head * stride_oh + prompt * BUDGET
+    out = out_ptr + head * stride_oh + prompt * budget
     offs = tl.arange(0, BLOCK)
 
     for first in range(0, num_scored, BLOCK):
@@ -654,11 +660,11 @@ def _select_kept_kernel(
             pooled = total
             if POOLING == 1:  # the reference's avg_pool1d sums and counts, divided
                 pooled = (total / KERNEL_SIZE) / tl.maximum(count / KERNEL_SIZE, 1e-9)
-        keys = _order_keys(pooled, (idx >= SINKS) & (idx < num_scored))
+        keys = _order_keys(pooled, (idx >= sinks) & (idx < num_scored))
         tl.store(keys_row + idx, keys.to(tl.int32, bitcast=True), mask=idx < num_scored)
     tl.debug_barrier()  # the keys are read back by other threads of the program
 
-    need = tl.zeros([], tl.int32) + (BUDGET - WINDOW - SINKS)  # keys still to pick
+    need = tl.zeros([], tl.int32) + (budget - window - sinks)  # keys still to pick
     prefix = tl.zeros([], tl.uint32)  # the threshold's bits found so far
     bins = tl.arange(0, 256)
     for shift in tl.static_range(24, -1, -8):
@@ -676,8 +682,8 @@ def _select_kept_kernel(
         prefix = prefix | (digit.to(tl.uint32) << shift)
 
     sink_offs = tl.arange(0, SINKS_BLOCK)
-    tl.store(out + sink_offs, start + sink_offs, mask=sink_offs < SINKS)
-    written = tl.zeros([], tl.int32) + SINKS
+    tl.store(out + sink_offs, start + sink_offs, mask=sink_offs < sinks)
+    written = tl.zeros([], tl.int32) + sinks
     ties_seen = tl.zeros([], tl.int32)
     for first in range(0, num_scored, BLOCK):
         idx = first + offs
@@ -692,9 +698,9 @@ def _select_kept_kernel(
         ties_seen += tl.sum(tie, 0)
     window_offs = tl.arange(0, WINDOW_BLOCK)
     tl.store(
-        out + BUDGET - WINDOW + window_offs,
+        out + budget - window + window_offs,
         start + num_scored + window_offs,
-        mask=window_offs < WINDOW,
+        mask=window_offs < window,
     )
 
 
@@ -730,7 +736,7 @@ def select_kept_rows(
         _select_kept_kernel, (len(scores), num_kv),
         padded, scored_lens, starts, keys, out,
         padded.stride(0), padded.stride(1), keys.stride(0), keys.stride(1), out.stride(0),
-        BUDGET=budget, WINDOW=window, SINKS=sinks,
+        budget, window, sinks,
         POOLING=_POOLING[pooling] if kernel_size > 1 else 0, KERNEL_SIZE=kernel_size,
         SINKS_BLOCK=triton.next_power_of_2(max(sinks, 1)),
         WINDOW_BLOCK=triton.next_power_of_2(max(window, 1)),

@@ -158,10 +158,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    # A layer runs in three parts so that CUDA graphs can capture everything between two
-    # attentions (sparse_core.engine.piecewise_graphs): attention_input, self_attn.attend, and
-    # output. x is the previous layer's MLP output, not yet added to the residual stream: the
-    # add happens inside the fused norm.
+    # A layer runs in three parts, so that CUDA graphs can capture everything between two
+    # attentions (LlamaForCausalLM.piece): attention_input, self_attn.attend, after_attention.
+    # x is the previous layer's MLP output, not yet added to the residual stream: the add
+    # happens inside the fused norm.
 
     def attention_input(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
@@ -170,7 +170,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         return self.self_attn.project(positions, h), residual
 
-    def output(
+    def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream) from the attention output [T, Hq * D]."""
@@ -228,14 +228,40 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    @property
+    def num_pieces(self) -> int:
+        """The stretches between attentions: one more than the layers."""
+        return len(self.model.layers) + 1
+
+    def piece(
+        self,
+        index: int,
+        positions: torch.Tensor,
+        input_ids: torch.Tensor | None = None,
+        attn_out: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What runs between attention index - 1 and attention index: the embedding of
+        input_ids (piece 0) or layer index - 1 from its attention output on, then layer index up
+        to its attention. Returns (qkv, residual stream), or (final hidden states, None) for the
+        last piece."""
+        layers = self.model.layers
+        if index == 0:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:
+            x, residual = layers[index - 1].after_attention(attn_out, residual)
+        if index == len(layers):
+            return self.model.norm(x, residual)[0], None
+        return layers[index].attention_input(positions, x, residual)
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            qkv, residual = layer.attention_input(positions, x, residual)
-            x, residual = layer.output(layer.self_attn.attend(qkv, meta), residual)
-        return self.model.norm(x, residual)[0]
+        out, residual = self.piece(0, positions, input_ids=input_ids)
+        for i, layer in enumerate(self.model.layers):
+            attn_out = layer.self_attn.attend(out, meta)  # out: this layer's qkv
+            out, residual = self.piece(i + 1, positions, attn_out=attn_out, residual=residual)
+        return out  # the last piece's: the final hidden states
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
