@@ -589,7 +589,8 @@ _POOLING = {"none": 0, "avg": 1, "max": 2}
 @triton.jit
 def _order_keys(pooled, selectable):
     """uint32 keys that order as the floats do; 0 (below every float) where not selectable."""
-    bits = (pooled + 0.0).to(tl.uint32, bitcast=True)  # + 0.0: -0.0 becomes 0.0, its equal
+    pooled = tl.where(pooled == 0.0, 0.0, pooled)  # -0.0 becomes 0.0, which it equals
+    bits = pooled.to(tl.uint32, bitcast=True)
     keys = tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
     return tl.where(selectable, keys, 0)
 
