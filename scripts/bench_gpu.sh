@@ -12,7 +12,8 @@
 #   serve-dense    the same with the dense policy
 #   rate-snapkv    `kvsparse serve` (24 GB cap) + open-loop load at $RATES requests/s (Poisson)
 #   kernels        kernel microbenchmarks (checks every kernel against its reference first)
-#   profile        where a prefill step's GPU time goes (profiler), alone and with running decodes
+#   profile        where a step's time goes (profiler): prefills alone, with running decodes and
+#                  as a last chunk; decode-only steps
 #   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
@@ -92,12 +93,14 @@ step_kernels() {
 step_profile() {
     local args status=0
     : >"$OUT/profile_step.txt"
-    # The last two: a 1,024-token chunk with 20 sequences decoding, alone and after 3,072
-    # cached tokens of its prompt (chunked prefill's steps).
+    # Then a 1,024-token prompt with 20 sequences decoding, whole and as the last chunk after
+    # 3,072 cached tokens (chunked prefill's steps); last, decode-only steps (CUDA graphs) at
+    # the batch sizes of the serving (C = 20) and capped dense runs.
     for args in "--policy dense" "--policy snapkv" "--policy snapkv --running 40" \
         "--policy dense --prompts 1 --running 13" \
         "--policy snapkv --prompts 1 --input-len 1024 --running 20" \
-        "--policy snapkv --prompts 1 --input-len 1024 --context 3072 --running 20"; do
+        "--policy snapkv --prompts 1 --input-len 1024 --context 3072 --running 20" \
+        "--policy snapkv --prompts 0 --running 20" "--policy dense --prompts 0 --running 13"; do
         # shellcheck disable=SC2086  # args is a list of flags
         if ! python3 -m sparse_core.bench.profile_step $args 2>&1 \
             | tee -a "$OUT/profile_step.txt" | grep -v -i warn; then

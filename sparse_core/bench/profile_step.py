@@ -1,4 +1,4 @@
-"""Where a prefill step's time goes: `python -m sparse_core.bench.profile_step` (CUDA only).
+"""Where a step's time goes: `python -m sparse_core.bench.profile_step` (CUDA only).
 
 Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
 sequences were admitted, so that their decode rows join the step, as in a mixed step), times a
@@ -8,7 +8,9 @@ time to launch it, its GPU kernels by total time, and the torch ops and CUDA cal
 With `--context N` the prompt is N tokens longer and prefilled in chunks: the measured step is
 its last chunk, after N cached tokens. A prefill's matmuls are 2 FLOPs per token per weight of
 the decoder layers; the printed roofline line compares the matmul kernels' time with that count
-at `--peak-tflops`.
+at `--peak-tflops`. With `--prompts 0` the measured step only decodes the running sequences
+(a CUDA graph replay unless `--enforce-eager`); the roofline line then compares the kernels' time
+with the bytes of the weights read once at `--bandwidth-tbs` (KV reads not counted).
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (one more profiled)")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument(
+        "--bandwidth-tbs", type=float, default=4.26, help="copy bandwidth (an H200's measured)"
+    )
     parser.add_argument("--top", type=int, default=20)
     add_graph_args(parser)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
+    if args.prompts < 0 or (args.prompts == 0 and args.running < 1):
+        parser.error("--prompts must be at least 0; a decode-only step (0) needs --running")
     if args.context and (args.prompts != 1 or args.context % args.input_len):
         parser.error("--context needs --prompts 1 and a multiple of --input-len")
 
@@ -142,18 +149,36 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(per_kernel.values())
     matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
     tokens = args.prompts * args.input_len
-    layer_weights = sum(p.numel() for p in engine.runner.model.model.layers.parameters())
-    ideal = 2 * layer_weights * tokens / (args.peak_tflops * 1e12) * 1e3
-    print(
-        f"{args.prompts} x {args.input_len} tokens after {args.context} cached, {args.running} "
-        f"running, {args.policy}: wall {min(walls) * 1e3:.1f} ms per step (the host launched it "
-        f"in {min(launches) * 1e3:.1f} ms), {num_kernels} GPU kernels {total:.1f} ms, "
-        f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
+    model = engine.runner.model
+    timing = (
+        f"wall {min(walls) * 1e3:.1f} ms per step (the host launched it in "
+        f"{min(launches) * 1e3:.1f} ms), {num_kernels} GPU kernels {total:.1f} ms"
     )
-    print(
-        f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
-        f"{args.peak_tflops:.0f} TFLOP/s the decoder layers' matmuls take {ideal:.1f} ms"
-    )
+    if tokens:
+        layer_weights = sum(p.numel() for p in model.model.layers.parameters())
+        ideal = 2 * layer_weights * tokens / (args.peak_tflops * 1e12) * 1e3
+        print(
+            f"{args.prompts} x {args.input_len} tokens after {args.context} cached, "
+            f"{args.running} running, {args.policy}: {timing}, "
+            f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
+        )
+        print(
+            f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
+            f"{args.peak_tflops:.0f} TFLOP/s the decoder layers' matmuls take {ideal:.1f} ms"
+        )
+    else:
+        # A decode step reads every weight but the embedding table (it gathers a few rows).
+        weight_bytes = sum(
+            p.numel() * p.element_size()
+            for name, p in model.named_parameters()
+            if "embed_tokens" not in name or model.config.tie_word_embeddings
+        )
+        ideal = weight_bytes / (args.bandwidth_tbs * 1e12) * 1e3
+        print(f"decode-only step of {args.running} sequences, {args.policy}: {timing}")
+        print(
+            f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
+            f"{args.bandwidth_tbs:.2f} TB/s reading the weights once takes {ideal:.1f} ms"
+        )
     print(f"{'ms/step':>8} {'share':>6}  kernel")
     for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{t:8.2f} {100 * t / total:5.1f}%  {name[:90]}")
