@@ -71,3 +71,19 @@ def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
         for _ in range(2):  # the second launch of each takes the cached binary
             out, _ = tf.rms_norm(x, weight[: x.shape[1]], 1e-5)
             close(out, ref.rms_norm(x, weight[: x.shape[1]], 1e-5)[0], dtype)
+
+
+def test_launcher_keys_tell_apart_what_triton_compiles_apart():
+    """Arguments that Triton specialises differently never share a key; those it compiles the
+    same share one (on CPU tensors too: the key reads only dtypes and addresses)."""
+    from sparse_core.kernels.launcher import _arg_key
+
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, misaligned = flat[:8], flat[1:9]
+    assert _arg_key(aligned) != _arg_key(misaligned)
+    assert _arg_key(aligned) != _arg_key(aligned.float())
+    assert _arg_key(aligned) == _arg_key(flat[8:16])  # 16 bytes further: aligned too
+    assert len({_arg_key(n) for n in (1, 16, 17, 2**31)}) == 4  # ==1, %16, neither, i64
+    assert _arg_key(32) == _arg_key(48) and _arg_key(3) == _arg_key(5)
+    assert _arg_key(True) != _arg_key(False) and _arg_key(None) is None
+    assert _arg_key(0.5) == _arg_key(2.0)
