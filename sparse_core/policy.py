@@ -14,6 +14,7 @@ import torch
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
+from sparse_core.kernels.reference import rows_by_head
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
@@ -177,8 +178,7 @@ def select_kept_tokens(
             ],
             dim=1,
         )
-        rows = positions.unsqueeze(1).expand(-1, k.shape[1], -1) + starts.view(-1, 1, 1)
-        return rows.permute(1, 0, 2).reshape(k.shape[1], -1)
+        return rows_by_head(positions.unsqueeze(1).expand(-1, k.shape[1], -1), starts)
     scores = [
         _window_scores(sparsity, q, k, lse, b, e, scale, ops, generator, kv_heads)
         for b, e in zip(bounds, prompts.query_ends, strict=True)

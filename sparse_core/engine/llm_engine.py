@@ -27,8 +27,8 @@ from sparse_core.policy import plan_layers
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 2.0
-# Captured decode graphs keep their own activation buffers (in the pool the prefill graphs,
-# measured, started).
+# Captured decode graphs keep their own activation buffers, in a pool of their own (the prefill
+# graphs' pool is measured when they are captured).
 CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 
 

@@ -195,13 +195,9 @@ def select_kept_rows(
     `select_top_tokens` (their test oracle): prompts of different lengths are padded, and padding
     takes part in nothing. Ties go to the earlier token, as in `top_indices`.
     """
-    num_kv = scores[0].shape[0]
-    width = max(s.shape[1] for s in scores)
-    device = scores[0].device
-    padded = torch.zeros(len(scores), num_kv, width, device=device)
-    for i, s in enumerate(scores):
-        padded[i, :, : s.shape[1]] = s
-    index = torch.arange(width, device=device)
+    num_kv, device = scores[0].shape[0], scores[0].device
+    padded = pad_scores(scores)
+    index = torch.arange(padded.shape[-1], device=device)
     scored = index < scored_lens.unsqueeze(1)  # [S, width]: real, non-window tokens
     pooled = _pool_padded(padded, scored, pooling, kernel_size)
     selectable = scored & (index >= sinks)
@@ -215,8 +211,24 @@ def select_kept_rows(
         dim=1,
     )
     kept = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
-    rows = kept.sort(dim=-1).values + starts.view(-1, 1, 1)  # [S, Hkv, budget]
-    return rows.permute(1, 0, 2).reshape(num_kv, -1)
+    return rows_by_head(kept.sort(dim=-1).values, starts)
+
+
+def pad_scores(scores: list[torch.Tensor]) -> torch.Tensor:
+    """Per-prompt scores [Hkv, n_j] -> [S, Hkv, max n_j], zero-padded (one prompt: a view)."""
+    if len(scores) == 1:
+        return scores[0].unsqueeze(0)
+    padded = scores[0].new_zeros(len(scores), scores[0].shape[0], max(s.shape[1] for s in scores))
+    for i, s in enumerate(scores):
+        padded[i, :, : s.shape[1]] = s
+    return padded
+
+
+def rows_by_head(kept: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """Kept token indices [S, Hkv, budget] of S packed prompts -> their rows among the packed
+    keys, per KV head: [Hkv, S * budget], prompt j in columns [j * budget, (j + 1) * budget)."""
+    rows = kept + starts.view(-1, 1, 1)
+    return rows.permute(1, 0, 2).reshape(kept.shape[1], -1)
 
 
 def _pool_padded(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel_size: int):

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_core.kernels import reference
 from sparse_core.kernels.launcher import launch
 
 if triton.knobs.runtime.interpret:
@@ -722,12 +723,7 @@ def select_kept_rows(
     if pooling not in _POOLING:
         raise ValueError(f"unknown pooling {pooling!r}; expected 'avg', 'max' or 'none'")
     num_kv, device = scores[0].shape[0], scores[0].device
-    if len(scores) == 1:
-        padded = scores[0].unsqueeze(0)
-    else:  # rows past a prompt's own length are never read
-        padded = scores[0].new_empty(len(scores), num_kv, max(s.shape[1] for s in scores))
-        for i, s in enumerate(scores):
-            padded[i, :, : s.shape[1]] = s
+    padded = reference.pad_scores(scores)  # the kernel reads no row past its prompt's length
     assert padded.stride(-1) == 1 and starts.dtype == torch.int64
     keys = torch.empty(padded.shape, dtype=torch.int32, device=device)
     out = torch.empty(num_kv, len(scores) * budget, dtype=torch.int64, device=device)
