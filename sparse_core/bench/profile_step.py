@@ -148,19 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     total = sum(per_kernel.values())
     matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
-    tokens = args.prompts * args.input_len
     model = engine.runner.model
     timing = (
         f"wall {min(walls) * 1e3:.1f} ms per step (the host launched it in "
         f"{min(launches) * 1e3:.1f} ms), {num_kernels} GPU kernels {total:.1f} ms"
     )
-    if tokens:
+    if step_tokens:
         layer_weights = sum(p.numel() for p in model.model.layers.parameters())
-        ideal = 2 * layer_weights * tokens / (args.peak_tflops * 1e12) * 1e3
+        ideal = 2 * layer_weights * step_tokens / (args.peak_tflops * 1e12) * 1e3
         print(
             f"{args.prompts} x {args.input_len} tokens after {args.context} cached, "
             f"{args.running} running, {args.policy}: {timing}, "
-            f"{min(walls) * 1e3 * 4000 / tokens:.1f} ms per 4000 tokens"
+            f"{min(walls) * 1e3 * 4000 / step_tokens:.1f} ms per 4000 tokens"
         )
         print(
             f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
