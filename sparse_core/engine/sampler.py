@@ -1,4 +1,12 @@
-"""Next-token choice for a batch: greedy rows by argmax, the rest by temperature, top-k, top-p."""
+"""Next-token choice for a batch, on the logits' device: greedy rows by argmax, the rest drawn
+from their temperature-scaled distribution after top-k and top-p, by inverse CDF.
+
+Every sampled row draws one uniform number on the host, from its sequence's own generator when
+the request has a `seed` (so its output does not depend on what else is in the batch) and from
+the engine's otherwise. The rest is a few batched ops on the device and one copy of the chosen
+ids back: a step samples 20 rows of a 128k vocabulary in well under a millisecond on a GPU,
+where moving each row to the host to sample it took milliseconds per row.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +20,57 @@ def sample(
 ) -> list[int | None]:
     """logits [B, V] float32 -> one token id per sequence, None where not `wanted`.
 
-    A sequence with a `seed` draws from its own generator, so its output does not depend on what
-    else is in the batch; the others share the engine's generator. Rows that are not wanted (a
-    forced prompt token's prediction) draw nothing, so a split prompt samples like a whole one.
+    Rows that are not wanted (a forced prompt token's or an early chunk's prediction) draw
+    nothing, so a split prompt samples like a whole one.
     """
-    tokens: list[int | None] = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        params = seq.params
-        if not wanted[row]:
-            tokens[row] = None
-            continue
-        if params.greedy:
-            continue
-        scores = logits[row].cpu() / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_scores, order = scores.sort(descending=True)
-            cumulative = sorted_scores.softmax(-1).cumsum(-1)
-            # Drop a token when the tokens ranked above it already cover top_p.
-            drop = cumulative - sorted_scores.softmax(-1) >= params.top_p
-            scores[order[drop]] = float("-inf")
-        probs = scores.softmax(-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=seq.generator or generator))
-    return tokens
+    tokens = logits.argmax(dim=-1)
+    rows = [r for r, seq in enumerate(seqs) if wanted[r] and not seq.params.greedy]
+    if rows:
+        params = [seqs[r].params for r in rows]
+        uniforms = [float(torch.rand(1, generator=seqs[r].generator or generator)) for r in rows]
+        settings = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], uniforms],
+            dtype=torch.float32,
+        ).to(logits.device, non_blocking=True)
+        top_k = [p.top_k for p in params]
+        index = torch.tensor(rows, device=logits.device)
+        tokens[index] = _draw(
+            logits[index],
+            temperature=settings[0],
+            top_p=settings[1] if any(p.top_p < 1 for p in params) else None,
+            top_k=torch.tensor(top_k, device=logits.device) if any(top_k) else None,
+            uniforms=settings[2],
+        )
+    return [token if wanted[r] else None for r, token in enumerate(tokens.tolist())]
+
+
+def _draw(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
+    """One token per row of logits [R, V]: the first whose cumulative probability exceeds the
+    row's uniform share of the kept mass. top_k [R] (0 = off) keeps the k most likely tokens;
+    top_p [R] then keeps the fewest most likely tokens of the renormalised top-k whose mass
+    reaches top_p (the most likely one always stays)."""
+    scores = logits / temperature[:, None]
+    order = None
+    if top_k is not None or top_p is not None:
+        scores, order = scores.sort(dim=-1, descending=True)
+        if top_k is not None:
+            rank = torch.arange(scores.shape[-1], device=scores.device)
+            beyond_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
+            scores = scores.masked_fill(beyond_k, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if top_p is not None:
+        # Drop a token when the tokens ranked above it already cover top_p.
+        above = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(above >= top_p[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)
+    choice = (cdf <= (uniforms * cdf[:, -1])[:, None]).sum(dim=-1)
+    # Rounding can put the threshold at the total mass: stay on the last token that has any.
+    last_kept = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+    choice = torch.minimum(choice, last_kept)
+    return choice if order is None else order.gather(-1, choice[:, None]).squeeze(-1)
