@@ -184,13 +184,15 @@ def test_paged_decode_head_dim_128_and_given_max_len() -> None:
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.1), torch.float32)
 
 
-def test_paged_decode_unsplit_reads_past_a_stale_bound() -> None:
-    """A CUDA graph captured at a shorter max_context_len still sees the grown contexts."""
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_reads_past_a_stale_bound(num_splits: int) -> None:
+    """A CUDA graph captured at a shorter max_context_len still sees the grown contexts, split
+    or not."""
     torch.manual_seed(6)
     k_cache, v_cache, table, lens = _paged([45, 30], 2, 32, block_size=8, dtype=torch.float32)
     q = _randn(2, 4, 32, dtype=torch.float32)
     out = tk.paged_decode_attention(
-        q, k_cache, v_cache, table, lens, 0.2, max_context_len=20, num_splits=1
+        q, k_cache, v_cache, table, lens, 0.2, max_context_len=20, num_splits=num_splits
     )
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2), torch.float32)
 
@@ -198,8 +200,10 @@ def test_paged_decode_unsplit_reads_past_a_stale_bound() -> None:
 def test_split_count_heuristic() -> None:
     device = torch.device(DEVICE)
     sms = tk._num_sms(device)
-    # Enough (sequence, KV head) programs to cover every SM: no split.
-    assert tk.decode_num_splits(sms, 1, 4500, device) == 1
+    # Two full waves of (sequence, KV head) programs: no split.
+    assert tk.decode_num_splits(2 * sms, 1, 4500, device) == 1
+    # A quarter of a third wave leaves three quarters of the SMs idle for it: split.
+    assert tk.decode_num_splits(2 * sms + sms // 4, 1, 4500, device) == 2
     # One long sequence is split, but never below one key tile per split.
     splits = tk.decode_num_splits(1, 1, 4500, device)
     assert 1 < splits <= 4500 // tk._MIN_TOKENS_PER_SPLIT

@@ -381,7 +381,6 @@ def _paged_decode_kernel(
     stride_oh,
     scale_log2,
     block_size,
-    tokens_per_split,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -394,8 +393,14 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens_ptr + seq)
-    lo = split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, context_len)
+    lo = 0
+    hi = context_len
+    if SPLIT:
+        # Each sequence's own context is cut into equal runs of whole tiles: the work stays
+        # balanced whatever the lengths, under a graph captured before they were known.
+        per_split = tl.cdiv(tl.cdiv(context_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, context_len)
 
     g = tl.arange(0, BLOCK_G)
     g_ok = g < GROUP
@@ -468,14 +473,17 @@ def _combine_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-# Flash-decoding: a decode step launches batch x Hkv programs. With fewer programs than SMs (a few
-# long sequences) most of the GPU idles, so the key axis is cut into splits that run in parallel
-# (about two waves of programs), and a second small kernel merges them. A split holds at least one
-# full key tile. Measured on an H200 (32q/8kv heads, D=128): batch 1 at 4500 tokens runs 7x faster
-# with 33 splits; at batch x Hkv >= SMs splitting only adds work (batch 32: 145 µs unsplit, 180 µs
-# with 2 splits).
-_MIN_TOKENS_PER_SPLIT = 128
+# Flash-decoding: a decode step launches batch x Hkv programs, one resident per SM at the tile
+# sizes below. Too few programs (short batches) leave SMs idle, and a count just past a whole
+# number of waves leaves most SMs idle for the last one (batch 40 x 8 heads on 132 SMs: 2.4
+# waves). So the key axis is cut into splits that run in parallel, and a second small kernel
+# merges them. Measured on an H200 (32q/8kv heads, D=128, contexts 4000-4500, µs unsplit ->
+# split): batch 8 117 -> 50 (4 splits), 13 129 -> 67 (8), 20 146 -> 98-102 (2-8), 40 237 -> 190
+# (2); batch 32 fills two waves and is best unsplit (140 against 152 with 4).
+_MIN_TOKENS_PER_SPLIT = 128  # one key tile
 _MAX_SPLITS = 64
+_MIN_WAVES = 1.9  # enough programs in flight to keep every SM streaming
+_MIN_WAVE_FILL = 0.9  # the share of the last wave's SMs that have work
 
 
 def _num_sms(device: torch.device) -> int:
@@ -487,13 +495,19 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
-    """Key-axis splits for a decode step: 1 once batch x Hkv programs cover every SM."""
+    """Key-axis splits for a decode step: the fewest (a power of two) that give close to two
+    waves of programs or more, with the last wave nearly full; never below one key tile per
+    split of the longest context."""
     programs, sms = batch * num_kv_heads, _num_sms(device)
-    if programs >= sms:
-        return 1
-    wanted = triton.cdiv(2 * sms, programs)
-    useful = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
-    return min(wanted, useful, _MAX_SPLITS)
+    useful = max(1, min(_MAX_SPLITS, max_context_len // _MIN_TOKENS_PER_SPLIT))
+    splits = 1
+    while splits * 2 <= useful:
+        total = programs * splits
+        fill = total / (triton.cdiv(total, sms) * sms)
+        if total >= _MIN_WAVES * sms and fill >= _MIN_WAVE_FILL:
+            break
+        splits *= 2
+    return splits
 
 
 def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
@@ -521,10 +535,8 @@ def paged_decode_attention(
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B]. `max_context_len` (an upper
-    bound is enough) avoids a device-to-host sync, so the launch can be captured in a CUDA graph.
-    With split-K, keys past it are not read: under a graph replayed as contexts grow, pass a bound
-    valid for every replay (e.g. max_blocks * block_size) and a fixed `num_splits`. Unsplit, the
-    whole context is read whatever the bound.
+    bound is enough) only chooses the number of splits, without a device-to-host sync, so the
+    launch can be captured in a CUDA graph; every split count reads each whole context.
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -540,12 +552,7 @@ def paged_decode_attention(
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
     block_n, num_warps, num_stages = _decode_tiles(q)
-    max_len = max(max_context_len, 1)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_len, tokens_per_split)
     split = num_splits > 1
-    if not split:
-        tokens_per_split = 1 << 30  # one split covers any context, bound or not
     group = num_q // num_kv
     if split:
         part_out = torch.empty(
@@ -561,7 +568,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, block_size, tokens_per_split,
+        scale * LOG2E, block_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split,
         **_launch_options(q, num_warps, num_stages),
