@@ -33,6 +33,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     add_graph_args(engine)
     engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="launch each decode-only step before the previous one's tokens reach the host "
+        "(default: on CUDA devices)",
+    )
+    engine.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -118,6 +125,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         gpu_memory_limit_gb=args.gpu_memory_limit_gb,
         enforce_eager=args.enforce_eager,
         max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         dtype=args.dtype,

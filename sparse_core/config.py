@@ -118,6 +118,13 @@ class EngineConfig:
       chunked prefill and max_num_batched_tokens up to 2048, every step (its prompt tokens plus
       max_num_seqs decode rows), else 2048; without chunked prefill, 512 (steps of short
       prompts). 0 turns these graphs off; enforce_eager turns off every graph.
+    async_scheduling: while a step that only decodes runs on the device, the host launches the
+      next one (its input tokens are the running step's sampled ids, still on the device), then
+      reads the running step's tokens and builds its outputs: the device no longer waits for the
+      host between decode steps. A sequence that a stop token or string ends has one more token
+      computed and dropped. Steps that prefill, admit or preempt wait for the tokens as before.
+      None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
+      always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
@@ -139,6 +146,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     max_prefill_graph_tokens: int | None = None
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 

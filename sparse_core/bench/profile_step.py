@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_gb=20,
             enforce_eager=args.enforce_eager,
             max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+            async_scheduling=False,  # one step at a time: nothing launched ahead of it
         ),
         sparsity,
     )

@@ -82,6 +82,13 @@ class BlockManager:
             for pool, kv_len in zip(self.pools, seq.kv_lens, strict=True)
         )
 
+    def can_append_all(self, seqs: list[Sequence]) -> bool:
+        """Room for one more token of every one of the sequences, in every group."""
+        return all(
+            sum(seq.kv_lens[g] % self.block_size == 0 for seq in seqs) <= pool.num_free
+            for g, pool in enumerate(self.pools)
+        )
+
     def append_slots(self, seq: Sequence) -> list[int]:
         """Reserve the next slot in every group for the token being decoded; returns the slots."""
         slots = []

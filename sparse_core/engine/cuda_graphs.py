@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_core.engine.transfers import copy_into
 from sparse_core.models.attention import DecodeGroupMetadata, DecodeMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
 
@@ -28,7 +29,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 class DecodeBatch:
     """Host-side description of a step's decode part: one token per running sequence."""
 
-    input_ids: list[int]
+    input_ids: list[int] | torch.Tensor  # a tensor: already on the device (launched ahead)
     positions: list[int]
     slots: list[list[int]]  # per group, per sequence
     block_tables: list[torch.Tensor]  # per group: int32 [B, max blocks] on the host
@@ -95,14 +96,15 @@ class DecodeGraphs:
         """Logits [B, V] of the step (a view into the graph's output buffer)."""
         batch = len(step.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
-        self.input_ids[:batch].copy_(torch.tensor(step.input_ids), non_blocking=True)
-        self.positions[:batch].copy_(torch.tensor(step.positions), non_blocking=True)
+        if isinstance(step.input_ids, torch.Tensor):
+            self.input_ids[:batch].copy_(step.input_ids)
+        else:
+            copy_into(self.input_ids[:batch], step.input_ids)
+        copy_into(self.positions[:batch], step.positions)
         for g, tables in enumerate(step.block_tables):
-            self.tables[g, :batch, : tables.shape[1]].copy_(tables, non_blocking=True)
-            self.slots[g, :batch].copy_(torch.tensor(step.slots[g]), non_blocking=True)
-            self.lens[g, :batch].copy_(
-                torch.tensor(step.context_lens[g], dtype=torch.int32), non_blocking=True
-            )
+            copy_into(self.tables[g, :batch, : tables.shape[1]], tables)
+            copy_into(self.slots[g, :batch], step.slots[g])
+            copy_into(self.lens[g, :batch], step.context_lens[g])
         # Padding rows: no write, one token of context.
         self.slots[:, batch:bucket].fill_(-1)
         self.lens[:, batch:bucket].fill_(1)

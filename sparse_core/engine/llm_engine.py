@@ -21,6 +21,7 @@ from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
+from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.policy import plan_layers
 
@@ -45,11 +46,25 @@ class StepRecord:
     # launched. Close to `seconds`, the step is host-bound (the device waited for launches).
     # Rank 0's host only under tensor parallelism; on CPU the launch runs the step.
     launch_seconds: float
+    # Launched before the previous step's tokens were read (async scheduling): its host work
+    # overlapped the previous step's device time.
+    launched_ahead: bool = False
 
     @property
     def is_prefill(self) -> bool:
         """Whether prompts were prefilled (decode rows may have joined them)."""
         return self.num_prefill_seqs > 0
+
+
+@dataclass
+class _Flight:
+    """A launched step whose sampled tokens the host has not read yet."""
+
+    step: ScheduledStep
+    wanted: list[bool]  # per row: its token is an output (not a forced token's or a chunk's)
+    tokens: PendingTokens
+    start: float  # monotonic: when the host began preparing it
+    launched: float  # when its forward pass was enqueued
 
 
 @dataclass
@@ -123,6 +138,13 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
+        # Tensor-parallel workers get each step's inputs from the host: no step launched ahead.
+        wanted = config.async_scheduling
+        if wanted is None:
+            wanted = self.runner.device.type == "cuda"
+        self.async_scheduling = wanted and self.workers is None
+        self._ahead: _Flight | None = None  # a decode step launched before the last one's tokens
+        self._last_step_end = 0.0
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -213,21 +235,35 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step (prefill of admitted prompts or of their next chunks, and a token for
         every running sequence done prefilling); returns the outputs of every sequence in it that
-        produced a token (not those fed a forced prompt token or a chunk before the last)."""
-        step = self.scheduler.schedule()
-        if not step:
-            return []
-        start = time.monotonic()
-        logits = self.runner.launch(step, self.block_manager)
-        launched = time.monotonic()
-        tokens = self.runner.sample_tokens(step, logits)  # host ints: device done
+        produced a token (not those fed a forced prompt token or a chunk before the last).
+
+        With async scheduling, a step that only decodes may already have been launched by the
+        previous call, and this call may launch the next one before it reads this one's tokens.
+        """
+        flight, self._ahead = self._ahead, None
+        if flight is not None and all(seq.is_finished for seq in flight.step.seqs):
+            flight = None  # every row was aborted or finished by the step before
+        if flight is None:
+            step = self.scheduler.schedule()
+            if not step:
+                return []
+            flight = self._launch(step, [seq.samples_next_token for seq in step.seqs])
+        self.scheduler.step_done(flight.step)
+        if self.async_scheduling:
+            self._ahead = self._launch_ahead(flight)
+        tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
         if self.step_records is not None:
-            self.step_records.append(self._step_record(step, now - start, launched - start))
-        self.scheduler.step_done(step)
+            # Overlapped steps share wall time: each counts from when the one before it ended.
+            start = max(flight.start, self._last_step_end)
+            record = self._step_record(flight.step, now - start, flight.launched - flight.start)
+            record.launched_ahead = flight.start < self._last_step_end
+            self.step_records.append(record)
+        self._last_step_end = now
         outputs = []
-        for seq, token in zip(step.seqs, tokens, strict=True):
-            if token is None:
+        for seq, token, wanted in zip(flight.step.seqs, tokens, flight.wanted, strict=True):
+            # Finished: aborted, or ended by the step before, while this one ran.
+            if not wanted or seq.is_finished:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -239,6 +275,47 @@ class LLMEngine:
             else:
                 outputs.append(self._output(seq))
         return outputs
+
+    def _launch(
+        self,
+        step: ScheduledStep,
+        wanted: list[bool],
+        decode_input_ids: torch.Tensor | None = None,
+    ) -> _Flight:
+        start = time.monotonic()
+        logits = self.runner.launch(step, self.block_manager, decode_input_ids)
+        launched = time.monotonic()
+        return _Flight(
+            step, wanted, self.runner.sample_tokens(step, logits, wanted), start, launched
+        )
+
+    def _launch_ahead(self, flight: _Flight) -> _Flight | None:
+        """Launch the next step before `flight`'s tokens reach the host, when it only decodes
+        the same sequences and needs nothing but those tokens: no prompt waits or is being
+        prefilled, every row of `flight` sampled a token, and there is room without preempting.
+        A sequence that `flight` finishes by length is left out; one that it ends with a stop
+        token or string has one token computed in vain. None when the next step must wait."""
+        scheduler = self.scheduler
+        if scheduler.waiting or not all(flight.wanted):
+            return None
+        row_of = {seq.request_id: row for row, seq in enumerate(flight.step.seqs)}
+        rows, seqs = [], []
+        for seq in scheduler.running:
+            row = row_of.get(seq.request_id)
+            if row is None or seq.is_prefilling:
+                return None
+            # The token in flight is its last one?
+            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
+                continue
+            if len(seq) + 1 >= self.config.max_model_len:
+                continue
+            rows.append(row)
+            seqs.append(seq)
+        step = scheduler.schedule_decodes(seqs) if seqs else None
+        if step is None:
+            return None
+        ids = flight.tokens.device_ids[to_device(rows, torch.int64, self.runner.device)]
+        return self._launch(step, [True] * len(seqs), decode_input_ids=ids)
 
     def _step_record(
         self, step: ScheduledStep, seconds: float, launch_seconds: float

@@ -24,6 +24,7 @@ from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
+from sparse_core.engine.transfers import PendingTokens, pinned, to_device
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import (
     ChunkContext,
@@ -181,22 +182,31 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @torch.inference_mode()
-    def launch(self, step: ScheduledStep, block_manager: BlockManager) -> torch.Tensor:
+    def launch(
+        self,
+        step: ScheduledStep,
+        block_manager: BlockManager,
+        decode_input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Prepare the step's inputs and enqueue its forward pass; its logits (on the device,
-        possibly not computed yet), in `step.seqs` order."""
+        possibly not computed yet), in `step.seqs` order. `decode_input_ids`: the decode rows'
+        input tokens already on the device (sampled by a step not yet read back), instead of
+        the sequences' last known tokens."""
         batch = StepBatch(
             self._prepare_prefill(step.prefills) if step.prefills else None,
-            self._prepare_decode(step.decodes, block_manager) if step.decodes else None,
+            self._prepare_decode(step.decodes, block_manager, decode_input_ids)
+            if step.decodes
+            else None,
         )
         return self.execute(batch)
 
     @torch.inference_mode()
-    def sample_tokens(self, step: ScheduledStep, logits: torch.Tensor) -> list[int | None]:
-        """The next token of every sequence of the step, in `step.seqs` order (waits for the
-        device); None where the step fed a forced token or a prompt chunk before the last."""
-        seqs = step.seqs
-        wanted = [seq.samples_next_token for seq in seqs]
-        return sample(logits, seqs, self.generator, wanted)
+    def sample_tokens(
+        self, step: ScheduledStep, logits: torch.Tensor, wanted: list[bool]
+    ) -> PendingTokens:
+        """Queue the choice of every sequence's next token, in `step.seqs` order; rows not
+        `wanted` (a forced token's or an early chunk's prediction) draw nothing."""
+        return PendingTokens(sample(logits, step.seqs, self.generator, wanted))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
@@ -218,16 +228,20 @@ class ModelRunner:
             rows += [end - 1 for end in batch.prefill.cu_seqlens[1:]]
             prefill = self._prefill_metadata(batch.prefill)
         if batch.decode is not None:
-            rows += range(len(input_ids), len(input_ids) + len(batch.decode.input_ids))
-            input_ids += batch.decode.input_ids
+            rows += range(len(positions), len(positions) + len(batch.decode.positions))
             positions += batch.decode.positions
             decode = self._decode_metadata(batch.decode)
+        decode_ids = [] if batch.decode is None else batch.decode.input_ids
+        if isinstance(decode_ids, torch.Tensor):  # a decode-only step launched ahead
+            token_ids = decode_ids
+        else:
+            token_ids = self._tensor(input_ids + decode_ids)
         meta = StepMetadata(prefill, decode)
         graphs = self.prefill_graphs
-        if graphs is not None and len(input_ids) <= graphs.max_tokens:
-            hidden = graphs.forward(self._tensor(input_ids), self._tensor(positions), meta)
+        if graphs is not None and len(positions) <= graphs.max_tokens:
+            hidden = graphs.forward(token_ids, self._tensor(positions), meta)
         else:
-            hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+            hidden = self.model(token_ids, self._tensor(positions), meta)
         if batch.prefill is not None:  # a decode-only step's rows are all its tokens
             hidden = hidden[self._tensor(rows)]
         return self.model.compute_logits(hidden)
@@ -326,10 +340,15 @@ class ModelRunner:
             context=context,
         )
 
-    def _prepare_decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
+    def _prepare_decode(
+        self,
+        seqs: list[Sequence],
+        block_manager: BlockManager,
+        input_ids: torch.Tensor | None = None,
+    ) -> DecodeBatch:
         num_groups = len(self.plan.groups)
         return DecodeBatch(
-            input_ids=[seq.next_input_token_id for seq in seqs],
+            input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
             positions=[seq.num_computed_tokens for seq in seqs],
             slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
             block_tables=block_manager.batch_tables(seqs),
@@ -341,7 +360,7 @@ class ModelRunner:
             [
                 DecodeGroupMetadata(
                     slot_mapping=self._tensor(slots),
-                    block_tables=tables.to(self.device),
+                    block_tables=pinned(tables, self.device).to(self.device, non_blocking=True),
                     # int32 as in the decode graphs' buffers: one compiled kernel for both
                     context_lens=self._tensor(lens, torch.int32),
                     max_context_len=max(lens),
@@ -353,7 +372,7 @@ class ModelRunner:
         )
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, dtype, self.device)
 
     # -- GPU start-up ---------------------------------------------------------------------------
 

@@ -3,9 +3,10 @@ from their temperature-scaled distribution after top-k and top-p, by inverse CDF
 
 Every sampled row draws one uniform number on the host, from its sequence's own generator when
 the request has a `seed` (so its output does not depend on what else is in the batch) and from
-the engine's otherwise. The rest is a few batched ops on the device and one copy of the chosen
-ids back: a step samples 20 rows of a 128k vocabulary in well under a millisecond on a GPU,
-where moving each row to the host to sample it took milliseconds per row.
+the engine's otherwise. The rest is a few batched ops on the device, whose result stays there
+until the engine asks for it: on an H200, 13 rows of a 128k vocabulary take 0.6 ms at
+temperature 1 (0.9 ms with top-p), where copying each row to the host to sample it took 75 ms
+(206 ms).
 """
 
 from __future__ import annotations
@@ -13,35 +14,39 @@ from __future__ import annotations
 import torch
 
 from sparse_core.engine.sequence import Sequence
+from sparse_core.engine.transfers import to_device
 
 
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator, wanted: list[bool]
-) -> list[int | None]:
-    """logits [B, V] float32 -> one token id per sequence, None where not `wanted`.
+) -> torch.Tensor:
+    """logits [B, V] float32 -> one token id per sequence, int64 [B] on the logits' device.
 
     Rows that are not wanted (a forced prompt token's or an early chunk's prediction) draw
-    nothing, so a split prompt samples like a whole one.
+    nothing, so a split prompt samples like a whole one; their ids are the argmax, to be
+    ignored.
     """
     tokens = logits.argmax(dim=-1)
     rows = [r for r, seq in enumerate(seqs) if wanted[r] and not seq.params.greedy]
     if rows:
         params = [seqs[r].params for r in rows]
         uniforms = [float(torch.rand(1, generator=seqs[r].generator or generator)) for r in rows]
-        settings = torch.tensor(
+        device = logits.device
+        settings = to_device(
             [[p.temperature for p in params], [p.top_p for p in params], uniforms],
-            dtype=torch.float32,
-        ).to(logits.device, non_blocking=True)
+            torch.float32,
+            device,
+        )
         top_k = [p.top_k for p in params]
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, torch.int64, device)
         tokens[index] = _draw(
             logits[index],
             temperature=settings[0],
             top_p=settings[1] if any(p.top_p < 1 for p in params) else None,
-            top_k=torch.tensor(top_k, device=logits.device) if any(top_k) else None,
+            top_k=to_device(top_k, torch.int64, device) if any(top_k) else None,
             uniforms=settings[2],
         )
-    return [token if wanted[r] else None for r, token in enumerate(tokens.tolist())]
+    return tokens
 
 
 def _draw(

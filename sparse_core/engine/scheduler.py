@@ -83,6 +83,17 @@ class Scheduler:
             prefills += self._admit(budget)
         return ScheduledStep(prefills, decodes)
 
+    def schedule_decodes(self, seqs: list[Sequence]) -> ScheduledStep | None:
+        """A decode-only step for exactly these running sequences, done prefilling, when every
+        group has room for their next tokens; None, changing nothing, when one would have to be
+        preempted."""
+        if not self.block_manager.can_append_all(seqs):
+            return None
+        for seq in seqs:
+            seq.decode_slots = self.block_manager.append_slots(seq)
+            seq.num_scheduled_tokens = 1
+        return ScheduledStep([], list(seqs))
+
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""
         for seq in step.decodes:

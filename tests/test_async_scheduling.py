@@ -1,0 +1,109 @@
+"""Async scheduling (a decode step launched before the previous one's tokens are read) gives the
+same outputs as stepping one at a time, on the real SmolLM2-135M, whatever ends or joins the
+batch meanwhile, and frees every block."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.engine.llm_engine import LLMEngine
+
+SPARSITY = SparsityConfig(policy="snapkv", budget=48, window=8, full_layers=2)
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "List some fruits:",
+    "Paris is the capital of France. Berlin is the capital of",
+]
+
+
+def _llm(async_scheduling: bool, **engine_args) -> LLM:
+    engine_args = {"max_model_len": 512, "kv_cache_memory_gb": 0.1, **engine_args}
+    return LLM(sparsity=SPARSITY, async_scheduling=async_scheduling, **engine_args)
+
+
+@pytest.fixture(scope="module")
+def llms() -> dict[bool, LLM]:
+    return {flag: _llm(flag) for flag in (False, True)}
+
+
+def _drive(engine: LLMEngine, arrivals: dict[int, list], aborts: dict[int, str]) -> dict:
+    """Step until done; before step i add `arrivals[i]` (id, prompt, params) and abort
+    `aborts[i]`. Returns every request's last output, and checks that no block is left."""
+    engine.step_records = []
+    last, i = {}, 0
+    while engine.has_unfinished or i <= max([*arrivals, *aborts]):
+        for request in arrivals.get(i, []):
+            engine.add_request(*request)
+        if i in aborts:
+            aborted = engine.abort(aborts[i])
+            last[aborted.request_id] = aborted
+        last.update((out.request_id, out) for out in engine.step())
+        i += 1
+    engine.check_invariants()
+    assert all(g["used"] == 0 for g in engine.block_manager.usage().values())
+    return last
+
+
+def _same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for request_id in a:
+        x, y = a[request_id], b[request_id]
+        assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+
+
+def test_stop_strings_eos_and_lengths_end_the_same(llms):
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    # A stop string from the middle of one answer, so that a step ahead computes past it.
+    text = llms[False].generate([PROMPTS[1]], greedy)[0].text
+    stop = text[len(text) // 3 :][:5]
+    requests = [
+        ("eos", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0)),
+        ("stop", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, stop=[stop])),
+        ("short", PROMPTS[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
+        ("long", PROMPTS[3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)),
+        ("seeded", PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5)),
+    ]
+    runs = {flag: _drive(llm.engine, {0: requests}, {}) for flag, llm in llms.items()}
+    _same(runs[False], runs[True])
+    assert runs[True]["stop"].finish_reason == "stop" and runs[True]["short"].token_ids
+    ahead = [r.launched_ahead for r in llms[True].engine.step_records]
+    assert sum(ahead) > len(ahead) / 2, "most decode steps were launched ahead"
+    assert not any(r.launched_ahead for r in llms[False].engine.step_records)
+
+
+def test_aborts_and_arrivals_while_a_step_is_in_flight(llms):
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+    arrivals = {
+        0: [("a", PROMPTS[0], params(30)), ("b", PROMPTS[1], params(30))],
+        4: [("c", PROMPTS[2], params(12))],
+        9: [("d", PROMPTS[3], params(5))],
+    }
+    aborts = {6: "b", 11: "d"}
+    runs = {flag: _drive(llm.engine, arrivals, aborts) for flag, llm in llms.items()}
+    # An abort cuts a request wherever it is, which differs between the two ways of stepping;
+    # what it had produced must still be the start of its answer.
+    for request_id, prompt, p in (request for i in (0, 9) for request in arrivals[i]):
+        if request_id in aborts.values():
+            whole = llms[False].generate([prompt], p)[0].token_ids
+            for run in runs.values():
+                cut = run.pop(request_id)
+                assert cut.finish_reason == "abort" and cut.token_ids
+                assert cut.token_ids == whole[: len(cut.token_ids)]
+    _same(runs[False], runs[True])
+
+
+def test_preemption_under_a_full_cache_gives_the_same_tokens():
+    """A cache too small for every sequence: steps ahead never preempt, the others do."""
+    prompts = [f"{p} Tell me more about it in detail." for p in PROMPTS] * 2
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    runs = {}
+    for flag in (False, True):
+        llm = _llm(flag, kv_cache_memory_gb=0.006, max_model_len=256)
+        requests = [(str(i), p, params) for i, p in enumerate(prompts)]
+        runs[flag] = _drive(llm.engine, {0: requests}, {})
+        assert llm.engine.scheduler.num_preemptions > 0
+    _same(runs[False], runs[True])
