@@ -145,6 +145,7 @@ class LLMEngine:
         self.async_scheduling = wanted and self.workers is None
         self._ahead: _Flight | None = None  # a decode step launched before the last one's tokens
         self._last_step_end = 0.0
+        self._finished_last_step = False
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -249,7 +250,10 @@ class LLMEngine:
                 return []
             flight = self._launch(step, [seq.samples_next_token for seq in step.seqs])
         self.scheduler.step_done(flight.step)
-        if self.async_scheduling:
+        # Not right after a step that finished a request: its client's next request (a closed
+        # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
+        # hold it back for one more.
+        if self.async_scheduling and not self._finished_last_step:
             self._ahead = self._launch_ahead(flight)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
@@ -274,6 +278,7 @@ class LLMEngine:
                 outputs.append(self._release(seq))
             else:
                 outputs.append(self._output(seq))
+        self._finished_last_step = any(out.finished for out in outputs)
         return outputs
 
     def _launch(
