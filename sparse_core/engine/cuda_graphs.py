@@ -19,8 +19,7 @@ from sparse_core.models.llama import LlamaForCausalLM
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8: a bucket close to the batch also lets the decode
-    kernel split its keys for the batch it runs (20 sequences in a bucket of 32 would not)."""
+    """1, 2, 4, then every multiple of 8: few padding rows in any bucket."""
     small = [b for b in (1, 2, 4) if b < max_num_seqs]
     return small + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
 

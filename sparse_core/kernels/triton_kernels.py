@@ -473,19 +473,16 @@ def _combine_splits_kernel(
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-# Flash-decoding: a decode step launches batch x Hkv programs, one resident per SM at the tile
-# sizes below. Too few programs leave SMs idle or each streaming too little, and a count just
-# past a whole number of waves leaves most SMs idle for the last one (batch 40 x 8 heads on 132
-# SMs: 2.4 waves). So the key axis is cut into splits that run in parallel, and a second small
-# kernel merges them. Measured on an H200 (32q/8kv heads, D=128, contexts 4000-4500, µs unsplit
-# -> split): batch 8 117 -> 52 (8 splits), 13 129 -> 67 (8), 20 146 -> 98 (8), 40 237 -> 190
-# (2); batch 32 fills two waves and is best unsplit (140 against 152 with 8). Sparse layers'
-# short contexts (500-1000 keys) take 29-31 µs at batch 20 with 2 to 8 splits, 38 unsplit.
-_MIN_TOKENS_PER_SPLIT = 128  # one key tile
+# Flash-decoding: a decode step launches batch x Hkv programs. With fewer programs than SMs (a few
+# long sequences) most of the GPU idles, so the key axis is cut into splits that run in parallel
+# (about two waves of programs), and a second small kernel merges them. A split holds at least one
+# full key tile. Measured on an H200 (32q/8kv heads, D=128): batch 1 at 4500 tokens runs 7x faster
+# with 33 splits; at batch x Hkv >= SMs splitting only adds work (batch 32: 145 µs unsplit, 180 µs
+# with 2 splits). Rules that split more (8 splits below two waves, or enough to fill the last
+# wave) won up to 1.3x on the kernel alone, but lost 0.1 ms per step inside a 32-layer decode
+# graph at batch 13 (dense) and 20 (snapkv): docs/benchmarks.md, "Async scheduling".
+_MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
-_FEW_SPLITS = 8  # below two waves of programs; more for tiny batches (about four waves)
-_MIN_WAVES = 1.9  # enough programs in flight to keep every SM streaming
-_MIN_WAVE_FILL = 0.9  # the share of the last wave's SMs that have work
 
 
 def _num_sms(device: torch.device) -> int:
@@ -497,20 +494,13 @@ def _num_sms(device: torch.device) -> int:
 def decode_num_splits(
     batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
 ) -> int:
-    """Key-axis splits for a decode step, never below one key tile per split of the longest
-    context. With two waves of programs or more, only enough to fill the last wave; with fewer,
-    8, or about four waves for tiny batches."""
+    """Key-axis splits for a decode step: 1 once batch x Hkv programs cover every SM."""
     programs, sms = batch * num_kv_heads, _num_sms(device)
-    useful = max(1, min(_MAX_SPLITS, max_context_len // _MIN_TOKENS_PER_SPLIT))
-    if programs < _MIN_WAVES * sms:
-        return min(useful, max(_FEW_SPLITS, triton.cdiv(4 * sms, programs)))
-    splits = 1
-    while splits * 2 <= useful:
-        total = programs * splits
-        if total / (triton.cdiv(total, sms) * sms) >= _MIN_WAVE_FILL:
-            break
-        splits *= 2
-    return splits
+    if programs >= sms:
+        return 1
+    wanted = triton.cdiv(2 * sms, programs)
+    useful = max(1, max_context_len // _MIN_TOKENS_PER_SPLIT)
+    return min(wanted, useful, _MAX_SPLITS)
 
 
 def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
