@@ -14,6 +14,8 @@
 #   kernels        kernel microbenchmarks (checks every kernel against its reference first)
 #   profile        where a step's time goes (profiler): prefills alone, with running decodes and
 #                  as a last chunk; decode-only steps
+#   decode         decode-only steps whole, async scheduling off and on, against the graph replay
+#                  alone; the sampler's cost per step (snapkv at batch 20, dense at batch 13)
 #   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
@@ -108,6 +110,14 @@ step_profile() {
         fi
     done
     return $status
+}
+
+step_decode() {
+    : >"$OUT/decode_step.txt"
+    python3 -m sparse_core.bench.decode_step --policy snapkv --running 20 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/decode_step.txt" &&
+        python3 -m sparse_core.bench.decode_step --policy dense --running 13 2>&1 \
+        | grep -v -i warn | tee -a "$OUT/decode_step.txt"
 }
 
 step_hf() {

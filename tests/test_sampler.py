@@ -11,6 +11,8 @@ from sparse_core.engine.sequence import Sequence
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 DRAWS = 6000
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA])]
 
 
 def _seqs(params: SamplingParams, count: int) -> list[Sequence]:
@@ -34,15 +36,18 @@ def _expected(temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.7, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.8), (1.3, 5, 0.9)],
 )
-def test_draws_follow_the_filtered_distribution(temperature, top_k, top_p):
+def test_draws_follow_the_filtered_distribution(temperature, top_k, top_p, device):
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     generator = torch.Generator().manual_seed(0)
-    tokens = sample(LOGITS.expand(DRAWS, -1), _seqs(params, DRAWS), generator, [True] * DRAWS)
-    counts = torch.bincount(tokens, minlength=len(LOGITS)).float()
+    logits = LOGITS.to(device).expand(DRAWS, -1)
+    tokens = sample(logits, _seqs(params, DRAWS), generator, [True] * DRAWS)
+    assert tokens.device == logits.device
+    counts = torch.bincount(tokens.cpu(), minlength=len(LOGITS)).float()
     expected = _expected(temperature, top_k, top_p)
     assert (counts[expected == 0] == 0).all(), "a filtered-out token was drawn"
     total_variation = 0.5 * (counts / DRAWS - expected).abs().sum().item()
@@ -78,12 +83,16 @@ def test_a_seeded_row_draws_the_same_token_in_any_batch():
     assert seeded_token(0, mixed) == seeded_token(2, mixed) == seeded_token(3, mixed) == alone
 
 
-def test_a_threshold_at_the_total_mass_stays_on_a_token_that_has_any():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_threshold_at_the_total_mass_stays_on_a_token_that_has_any(device):
     """Rounding can make the uniform's share equal the kept mass; the draw must not then land
     on a token that was cut (or that has underflowed to zero)."""
-    logits = torch.tensor([[3.0, 2.0, 1.0, -200.0, -200.0], [-200.0, 3.0, 2.0, -200.0, -200.0]])
-    ones = torch.ones(2)
+    logits = torch.tensor(
+        [[3.0, 2.0, 1.0, -200.0, -200.0], [-200.0, 3.0, 2.0, -200.0, -200.0]], device=device
+    )
+    ones = torch.ones(2, device=device)
     assert _draw(logits, ones, None, None, uniforms=ones).tolist() == [2, 2]
-    top_p = torch.tensor([0.5, 0.5])
+    top_p = torch.tensor([0.5, 0.5], device=device)
     assert _draw(logits, ones, top_p, None, uniforms=ones).tolist() == [0, 1]
-    assert _draw(logits, ones, None, torch.tensor([2, 0]), uniforms=ones).tolist() == [1, 2]
+    top_k = torch.tensor([2, 0], device=device)
+    assert _draw(logits, ones, None, top_k, uniforms=ones).tolist() == [1, 2]

@@ -303,10 +303,10 @@ class LLMEngine:
         scheduler = self.scheduler
         if scheduler.waiting or not all(flight.wanted):
             return None
-        row_of = {seq.request_id: row for row, seq in enumerate(flight.step.seqs)}
+        row_of = {seq: row for row, seq in enumerate(flight.step.seqs)}
         rows, seqs = [], []
         for seq in scheduler.running:
-            row = row_of.get(seq.request_id)
+            row = row_of.get(seq)
             if row is None or seq.is_prefilling:
                 return None
             # The token in flight is its last one?
