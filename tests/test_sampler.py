@@ -96,3 +96,26 @@ def test_a_threshold_at_the_total_mass_stays_on_a_token_that_has_any(device):
     assert _draw(logits, ones, top_p, None, uniforms=ones).tolist() == [0, 1]
     top_k = torch.tensor([2, 0], device=device)
     assert _draw(logits, ones, None, top_k, uniforms=ones).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plain_seeded_row_ignores_the_filters_of_its_neighbours(device):
+    """A row without top-k or top-p draws the same token alone and next to rows that filter."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3)).to(device)
+    neighbours = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(top_k=5)]
+    for seed in range(20):
+        plain = SamplingParams(temperature=1.0, seed=seed)
+        alone = sample(logits[:1], _seqs(plain, 1), torch.Generator(), [True])
+        seqs = _seqs(plain, 1) + [Sequence(f"n{i}", [1], p, 1) for i, p in enumerate(neighbours)]
+        mixed = sample(logits, seqs, torch.Generator(), [True] * 3)
+        assert int(alone[0]) == int(mixed[0]), seed
+
+
+def test_a_tiny_temperature_is_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    params = SamplingParams(temperature=1e-7)
+    assert params.greedy
+    assert sample(logits, _seqs(params, 1), torch.Generator(), [True]).tolist() == [1]
+    # Just above the greedy threshold the draw stays finite and on the top token.
+    ones = torch.ones(1)
+    assert _draw(logits * 1e6, ones * 2e-5, None, None, uniforms=ones * 0.5).tolist() == [1]

@@ -56,26 +56,35 @@ def _draw(
     top_k: torch.Tensor | None,
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """One token per row of logits [R, V]: the first whose cumulative probability exceeds the
-    row's uniform share of the kept mass. top_k [R] (0 = off) keeps the k most likely tokens;
-    top_p [R] then keeps the fewest most likely tokens of the renormalised top-k whose mass
-    reaches top_p (the most likely one always stays)."""
-    scores = logits / temperature[:, None]
-    order = None
-    if top_k is not None or top_p is not None:
-        scores, order = scores.sort(dim=-1, descending=True)
-        if top_k is not None:
-            rank = torch.arange(scores.shape[-1], device=scores.device)
-            beyond_k = (top_k[:, None] > 0) & (rank[None, :] >= top_k[:, None])
-            scores = scores.masked_fill(beyond_k, float("-inf"))
+    """One token per row of logits [R, V]: the first, in vocabulary order, whose cumulative
+    probability exceeds the row's uniform share of the kept mass. Every row walks the same order,
+    filtered or not, so a row's token does not depend on whether other rows filter theirs."""
+    # Shifted by the row's maximum first, so that a small temperature gives -inf, never NaN.
+    scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
     probs = scores.softmax(dim=-1)
-    if top_p is not None:
-        # Drop a token when the tokens ranked above it already cover top_p.
-        above = probs.cumsum(dim=-1) - probs
-        probs = probs.masked_fill(above >= top_p[:, None], 0.0)
+    if top_k is not None or top_p is not None:
+        probs = probs.masked_fill(~_kept(scores, top_p, top_k), 0.0)
     cdf = probs.cumsum(dim=-1)
     choice = (cdf <= (uniforms * cdf[:, -1])[:, None]).sum(dim=-1)
     # Rounding can put the threshold at the total mass: stay on the last token that has any.
     last_kept = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
-    choice = torch.minimum(choice, last_kept)
-    return choice if order is None else order.gather(-1, choice[:, None]).squeeze(-1)
+    return torch.minimum(choice, last_kept)
+
+
+def _kept(
+    scores: torch.Tensor, top_p: torch.Tensor | None, top_k: torch.Tensor | None
+) -> torch.Tensor:
+    """bool [R, V]: top_k [R] (0 = off) keeps the k highest scores (exactly k: ties go by sort
+    order); top_p [R] then keeps the fewest most likely of those whose renormalised mass reaches
+    top_p (the most likely always stays; 1 keeps all)."""
+    ranked, order = scores.sort(dim=-1, descending=True)
+    keep = torch.ones_like(ranked, dtype=torch.bool)
+    if top_k is not None:
+        rank = torch.arange(ranked.shape[-1], device=ranked.device)
+        keep &= (top_k[:, None] == 0) | (rank[None, :] < top_k[:, None])
+    if top_p is not None:
+        probs = ranked.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already cover top_p.
+        above = probs.cumsum(dim=-1) - probs
+        keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1)
+    return torch.empty_like(keep).scatter_(-1, order, keep)

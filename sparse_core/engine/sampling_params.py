@@ -47,4 +47,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 count as 0, as in vLLM: their distribution is the argmax in
+        all but float rounding."""
+        return self.temperature < 1e-5
