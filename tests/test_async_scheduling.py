@@ -107,3 +107,22 @@ def test_preemption_under_a_full_cache_gives_the_same_tokens():
         runs[flag] = _drive(llm.engine, {0: requests}, {})
         assert llm.engine.scheduler.num_preemptions > 0
     _same(runs[False], runs[True])
+
+
+def test_steps_go_ahead_while_prompts_wait_for_a_free_slot():
+    """Prompts that cannot be admitted (max_num_seqs reached) do not stop the overlap, and every
+    step's record counts what it ran when it was launched."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    requests = [(str(i), p, params) for i, p in enumerate(PROMPTS)]
+    runs, records = {}, {}
+    for flag in (False, True):
+        engine = _llm(flag, max_num_seqs=2).engine
+        runs[flag] = _drive(engine, {0: requests}, {})
+        records[flag] = engine.step_records
+    _same(runs[False], runs[True])
+    waiting_ahead = [r for r in records[True] if r.launched_ahead]
+    assert len(waiting_ahead) > len(records[True]) / 2
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in runs[True].values())
+    for flag in (False, True):
+        assert sum(r.num_prefill_tokens for r in records[flag]) == prompt_tokens
+        assert sum(r.num_decode_seqs for r in records[flag]) == len(PROMPTS) * 11

@@ -19,9 +19,18 @@ from sparse_core.models.llama import LlamaForCausalLM
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8: few padding rows in any bucket."""
+    """1, 2, 4, every multiple of 8 below max_num_seqs, and max_num_seqs: few padding rows in
+    any bucket."""
     small = [b for b in (1, 2, 4) if b < max_num_seqs]
     return small + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+
+
+def decode_graph_bytes(max_num_seqs: int, vocab_size: int) -> int:
+    """GPU memory the decode graphs keep in their pool: every bucket's float32 logits (read
+    after each replay, so each graph keeps its own), plus the largest step's other activations,
+    for which 256 MiB is ample; never less than the 512 MiB that sufficed before this count."""
+    logits = 4 * vocab_size * sum(batch_buckets(max_num_seqs))
+    return max(512 * 2**20, 256 * 2**20 + logits)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from sparse_core.cache.memory import split_kv_memory
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
+from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
@@ -28,9 +29,6 @@ from sparse_core.policy import plan_layers
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 2.0
-# Captured decode graphs keep their own activation buffers, in a pool of their own (the prefill
-# graphs' pool is measured when they are captured).
-CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20
 
 
 @dataclass
@@ -65,6 +63,7 @@ class _Flight:
     tokens: PendingTokens
     start: float  # monotonic: when the host began preparing it
     launched: float  # when its forward pass was enqueued
+    record: StepRecord | None  # when the engine records steps
 
 
 @dataclass
@@ -185,7 +184,11 @@ class LLMEngine:
             limit = min(limit, config.gpu_memory_limit_gb * 2**30)
         # CUDA context, cuBLAS workspaces and other memory outside torch's allocator.
         outside_torch = (total - free) - torch.cuda.memory_reserved(device)
-        graphs = prefill_graphs + (0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES)
+        # The decode graphs are captured after the KV cache is allocated: their memory is an
+        # estimate (the prefill graphs' pool was measured when they were captured).
+        graphs = prefill_graphs
+        if not config.enforce_eager:
+            graphs += decode_graph_bytes(config.max_num_seqs, self.model_config.vocab_size)
         kv = int(limit - weights - activations - outside_torch - graphs)
         logger.info(
             "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "
@@ -257,10 +260,11 @@ class LLMEngine:
             self._ahead = self._launch_ahead(flight)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
-        if self.step_records is not None:
+        if self.step_records is not None and flight.record is not None:
             # Overlapped steps share wall time: each counts from when the one before it ended.
-            start = max(flight.start, self._last_step_end)
-            record = self._step_record(flight.step, now - start, flight.launched - flight.start)
+            record = flight.record
+            record.seconds = now - max(flight.start, self._last_step_end)
+            record.launch_seconds = flight.launched - flight.start
             record.launched_ahead = flight.start < self._last_step_end
             self.step_records.append(record)
         self._last_step_end = now
@@ -287,21 +291,22 @@ class LLMEngine:
         wanted: list[bool],
         decode_input_ids: torch.Tensor | None = None,
     ) -> _Flight:
+        record = None if self.step_records is None else self._step_record(step)
         start = time.monotonic()
         logits = self.runner.launch(step, self.block_manager, decode_input_ids)
         launched = time.monotonic()
-        return _Flight(
-            step, wanted, self.runner.sample_tokens(step, logits, wanted), start, launched
-        )
+        tokens = self.runner.sample_tokens(step, logits, wanted)
+        return _Flight(step, wanted, tokens, start, launched, record)
 
     def _launch_ahead(self, flight: _Flight) -> _Flight | None:
         """Launch the next step before `flight`'s tokens reach the host, when it only decodes
-        the same sequences and needs nothing but those tokens: no prompt waits or is being
-        prefilled, every row of `flight` sampled a token, and there is room without preempting.
+        the same sequences and needs nothing but those tokens: no waiting prompt could be
+        admitted now, none is being prefilled, every row of `flight` sampled a token, and there
+        is room without preempting.
         A sequence that `flight` finishes by length is left out; one that it ends with a stop
         token or string has one token computed in vain. None when the next step must wait."""
         scheduler = self.scheduler
-        if scheduler.waiting or not all(flight.wanted):
+        if scheduler.can_admit() or not all(flight.wanted):
             return None
         row_of = {seq: row for row, seq in enumerate(flight.step.seqs)}
         rows, seqs = [], []
@@ -322,9 +327,9 @@ class LLMEngine:
         ids = flight.tokens.device_ids[to_device(rows, torch.int64, self.runner.device)]
         return self._launch(step, [True] * len(seqs), decode_input_ids=ids)
 
-    def _step_record(
-        self, step: ScheduledStep, seconds: float, launch_seconds: float
-    ) -> StepRecord:
+    def _step_record(self, step: ScheduledStep) -> StepRecord:
+        """What the step runs, taken when it is launched (the next step launched ahead changes
+        the sequences' counts before this one's tokens are read); its times come later."""
         layers = [len(g.layers) for g in self.plan.groups]
         return StepRecord(
             num_prefill_seqs=len(step.prefills),
@@ -333,8 +338,8 @@ class LLMEngine:
             kv_token_layers=sum(
                 n * kv for seq in step.decodes for n, kv in zip(layers, seq.kv_lens, strict=True)
             ),
-            seconds=seconds,
-            launch_seconds=launch_seconds,
+            seconds=0.0,
+            launch_seconds=0.0,
         )
 
     def _append_text(self, seq: Sequence, token: int) -> str | None:

@@ -111,14 +111,31 @@ class Scheduler:
             return 0
         return max(0, min(budget, remaining - self.min_last_chunk))
 
+    def can_admit(self) -> bool:
+        """Whether a step with its whole token budget would admit the first waiting prompt
+        now (a free sequence slot, and room for it, or its first chunk, in every group)."""
+        return (
+            bool(self.waiting)
+            and len(self.running) < self.max_num_seqs
+            and self._admissible_chunk(self.waiting[0], self.max_num_batched_tokens) > 0
+        )
+
+    def _admissible_chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of a waiting prompt's prefill that a step with `budget` left admits; 0 when
+        the budget or a group's free blocks fall short."""
+        chunk = self._next_chunk(seq.num_prefill_tokens, budget)
+        if chunk and self.block_manager.can_allocate(seq, chunk < seq.num_prefill_tokens):
+            return chunk
+        return 0
+
     def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            chunk = self._next_chunk(seq.num_prefill_tokens, budget)
-            chunked = chunk < seq.num_prefill_tokens
-            if chunk == 0 or not self.block_manager.can_allocate(seq, chunked):
+            chunk = self._admissible_chunk(seq, budget)
+            if chunk == 0:
                 break
+            chunked = chunk < seq.num_prefill_tokens
             self.waiting.popleft()
             self.block_manager.allocate(seq, chunked)
             seq.status = SequenceStatus.RUNNING
