@@ -93,7 +93,7 @@ def _time_steps(engine: LLMEngine, args: argparse.Namespace) -> tuple[float, int
     graphs = engine.runner.decode_graphs
     if graphs is None:
         raise SystemExit("no decode graphs (--enforce-eager?): nothing to replay")
-    graph, _ = graphs.graphs[next(b for b in graphs.buckets if b >= args.running)]
+    graph = graphs.graphs[next(b for b in graphs.buckets if b >= args.running)]
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(args.steps):

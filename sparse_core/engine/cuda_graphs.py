@@ -26,10 +26,10 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 def decode_graph_bytes(max_num_seqs: int, vocab_size: int) -> int:
-    """GPU memory the decode graphs keep in their pool: every bucket's float32 logits (read
-    after each replay, so each graph keeps its own), plus the largest step's other activations,
-    for which 256 MiB is ample; never less than the 512 MiB that sufficed before this count."""
-    logits = 4 * vocab_size * sum(batch_buckets(max_num_seqs))
+    """GPU memory the decode graphs take: the shared float32 logits buffer, plus their pool,
+    which holds the largest step's activations (256 MiB is ample for an 8B model at 256
+    sequences); at least 512 MiB."""
+    logits = 4 * vocab_size * max_num_seqs
     return max(512 * 2**20, 256 * 2**20 + logits)
 
 
@@ -64,7 +64,10 @@ class DecodeGraphs:
             (num_groups, m, max_blocks_per_seq), dtype=torch.int32, device=device
         )
         self.lens = torch.ones((num_groups, m), dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every graph writes its logits here: one buffer for all buckets, outside their pool.
+        vocab_size = model.config.vocab_size
+        self.logits = torch.zeros((m, vocab_size), dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.buckets = batch_buckets(max_num_seqs)
 
     def _meta(self, batch: int) -> StepMetadata:
@@ -79,29 +82,30 @@ class DecodeGraphs:
         ]
         return StepMetadata(decode=DecodeMetadata(groups))
 
-    def _forward(self, batch: int) -> torch.Tensor:
+    def _forward(self, batch: int) -> None:
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))
-        return self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:batch])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool.
 
-        The pool is these graphs' own: their logits stay in it, read after the replay, and no
-        other graph's replay may write there meanwhile."""
+        The pool is these graphs' own (the prefill graphs have another); it holds only what a
+        step needs while it runs, as the logits go to the shared buffer."""
         pool = None
         for batch in reversed(self.buckets):
             self._forward(batch)  # warm-up: Triton compiles and autotunes outside the graph
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(batch)
+                self._forward(batch)
             pool = graph.pool()
-            self.graphs[batch] = (graph, logits)
+            self.graphs[batch] = graph
         torch.cuda.synchronize()
 
     def run(self, step: DecodeBatch) -> torch.Tensor:
-        """Logits [B, V] of the step (a view into the graph's output buffer)."""
+        """Logits [B, V] of the step: a view into the shared buffer, which the next replay
+        overwrites (work queued before that replay still reads this step's)."""
         batch = len(step.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
         if isinstance(step.input_ids, torch.Tensor):
@@ -116,6 +120,5 @@ class DecodeGraphs:
         # Padding rows: no write, one token of context.
         self.slots[:, batch:bucket].fill_(-1)
         self.lens[:, batch:bucket].fill_(1)
-        graph, logits = self.graphs[bucket]
-        graph.replay()
-        return logits[:batch]
+        self.graphs[bucket].replay()
+        return self.logits[:batch]

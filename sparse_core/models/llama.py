@@ -263,8 +263,10 @@ class LlamaForCausalLM(nn.Module):
             out, residual = self.piece(i + 1, positions, attn_out=attn_out, residual=residual)
         return out  # the last piece's: the final hidden states
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [T, V]; written into `out` when given (a static buffer)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)
 
     def load_weights(
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
