@@ -122,7 +122,9 @@ class EngineConfig:
       next one (its input tokens are the running step's sampled ids, still on the device), then
       reads the running step's tokens and builds its outputs: the device no longer waits for the
       host between decode steps. A sequence that a stop token or string ends has one more token
-      computed and dropped. Steps that prefill, admit or preempt wait for the tokens as before.
+      computed and dropped (its row still draws from the engine's generator when sampled, so
+      requests without a `seed` may sample differently than with this off; seeded ones do
+      not). Steps that could admit a prompt, prefill or preempt wait for the tokens as before.
       None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
       always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
