@@ -25,12 +25,14 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
     return small + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
 
 
-def decode_graph_bytes(max_num_seqs: int, vocab_size: int) -> int:
+def decode_graph_bytes(max_num_seqs: int, vocab_size: int, dtype_bytes: int, tp_size: int) -> int:
     """GPU memory the decode graphs take: the shared float32 logits buffer, plus their pool,
-    which holds the largest step's activations (256 MiB is ample for an 8B model at 256
-    sequences); at least 512 MiB."""
-    logits = 4 * vocab_size * max_num_seqs
-    return max(512 * 2**20, 256 * 2**20 + logits)
+    which holds the largest step's logits in the model's dtype (under tensor parallelism, the
+    rank's slice, the gathered parts and their concatenation: under 3 copies) and its other
+    activations (256 MiB is ample for an 8B model at 256 sequences); at least 512 MiB."""
+    rows = vocab_size * max_num_seqs
+    pooled_logits = dtype_bytes * rows * (1 if tp_size == 1 else 3)
+    return max(512 * 2**20, 4 * rows + pooled_logits + 256 * 2**20)
 
 
 @dataclass

@@ -188,7 +188,12 @@ class LLMEngine:
         # estimate (the prefill graphs' pool was measured when they were captured).
         graphs = prefill_graphs
         if not config.enforce_eager:
-            graphs += decode_graph_bytes(config.max_num_seqs, self.model_config.vocab_size)
+            graphs += decode_graph_bytes(
+                config.max_num_seqs,
+                self.model_config.vocab_size,
+                self.runner.dtype.itemsize,
+                config.tensor_parallel_size,
+            )
         kv = int(limit - weights - activations - outside_torch - graphs)
         logger.info(
             "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "
