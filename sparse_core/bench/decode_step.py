@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.bench.workload import sparsity_for, start_decoding
+from sparse_core.config import EngineConfig
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.sampling_params import SamplingParams
@@ -39,11 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
-    sparsity = (
-        SparsityConfig(policy="dense")
-        if args.policy == "dense"
-        else SparsityConfig(policy=args.policy, budget=512, window=32, full_layers=3)
-    )
     for async_scheduling in (False, True):
         engine = LLMEngine(
             EngineConfig(
@@ -53,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
                 kv_cache_memory_gb=20,
                 async_scheduling=async_scheduling,
             ),
-            sparsity,
+            sparsity_for(args.policy),
         )
+        held = start_decoding(engine, args.running, args.input_len, random.Random(0))
+        if held < args.running:
+            parser.error(f"the KV cache holds only {held} of the --running sequences")
         step_ms, ahead, replay_ms = _time_steps(engine, args)
         print(
             f"{args.policy}, {args.running} decoding, async scheduling "
@@ -70,14 +69,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _time_steps(engine: LLMEngine, args: argparse.Namespace) -> tuple[float, int, float]:
-    rng = random.Random(0)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=10 * args.steps, ignore_eos=True, temperature=0.0)
-    for i in range(args.running):
-        engine.add_request(f"r{i}", [rng.randrange(vocab) for _ in range(args.input_len)], params)
-    scheduler = engine.scheduler
-    while scheduler.waiting or any(seq.is_prefilling for seq in scheduler.running):
-        engine.step()
     for _ in range(10):  # warm-up
         engine.step()
     torch.cuda.synchronize()

@@ -23,10 +23,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sparse_core.bench.workload import KEEP_DECODING, random_prompt, sparsity_for, start_decoding
 from sparse_core.cli import add_graph_args
-from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.config import EngineConfig
 from sparse_core.engine.llm_engine import LLMEngine
-from sparse_core.engine.sampling_params import SamplingParams
 
 # Kernel-name fragments of the matmul libraries torch dispatches to on Hopper.
 MATMUL_MARKERS = ("gemm", "nvjet", "sm90_xmma", "cutlass")
@@ -61,11 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.context and (args.prompts != 1 or args.context % args.input_len):
         parser.error("--context needs --prompts 1 and a multiple of --input-len")
 
-    sparsity = (
-        SparsityConfig(policy="dense")
-        if args.policy == "dense"
-        else SparsityConfig(policy=args.policy, budget=512, window=32, full_layers=3)
-    )
     step_tokens = args.prompts * args.input_len
     engine = LLMEngine(
         EngineConfig(
@@ -81,22 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             max_prefill_graph_tokens=args.max_prefill_graph_tokens,
             async_scheduling=False,  # one step at a time: nothing launched ahead of it
         ),
-        sparsity,
+        sparsity_for(args.policy),
     )
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+    held = start_decoding(engine, args.running, args.input_len, rng)
+    if held < args.running:
+        parser.error(f"the KV cache holds only {held} of the --running sequences")
 
     def add(name: str, length: int) -> None:
-        engine.add_request(name, [rng.randrange(vocab) for _ in range(length)], params)
-
-    for i in range(args.running):
-        add(f"running{i}", args.input_len)
-    while engine.scheduler.waiting:
-        admitted = len(engine.scheduler.running)
-        engine.step()
-        if len(engine.scheduler.running) <= admitted:
-            parser.error(f"the KV cache holds only {admitted} of the --running sequences")
+        engine.add_request(name, random_prompt(rng, vocab, length), KEEP_DECODING)
 
     def admit(tag: str) -> list[str]:
         """Add the prompts; with a context, run its chunks (not measured)."""

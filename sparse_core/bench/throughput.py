@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
@@ -111,7 +112,7 @@ def run_one(
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_prompts)]
+    prompts = [random_prompt(rng, vocab, input_len) for _ in range(num_prompts)]
     # Warm-up: one short request compiles the prefill and sampling paths.
     engine.add_request("warmup", prompts[0][:256], SamplingParams(max_tokens=4))
     while engine.has_unfinished:
@@ -184,14 +185,6 @@ def run_one(
     return result
 
 
-def sparsity_for(policy: str, args: argparse.Namespace) -> SparsityConfig:
-    if policy == "dense":
-        return SparsityConfig(policy="dense")
-    return SparsityConfig(
-        policy=policy, budget=args.budget, window=args.window, full_layers=args.full_layers
-    )
-
-
 def print_table(results: list[RunResult]) -> None:
     head = (
         f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
@@ -256,7 +249,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_one(
             f"{policy} {cap}",
             config,
-            sparsity_for(policy, args),
+            sparsity_for(policy, args.budget, args.window, args.full_layers),
             args.num_prompts,
             args.input_len,
             args.output_len,

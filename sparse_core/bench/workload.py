@@ -1,0 +1,41 @@
+"""What the engine benchmarks run: the sparse policies' settings, random prompts, and
+sequences that keep decoding while a step is measured."""
+
+from __future__ import annotations
+
+import random
+
+from sparse_core.config import SparsityConfig
+from sparse_core.engine.llm_engine import LLMEngine
+from sparse_core.engine.sampling_params import SamplingParams
+
+# Until aborted or max_model_len: no stop token ends them early.
+KEEP_DECODING = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
+
+
+def sparsity_for(
+    policy: str, budget: int = 512, window: int = 32, full_layers: int = 3
+) -> SparsityConfig:
+    """The benchmarks' sparsity settings (DESIGN.md's 4000-in / 500-out workload)."""
+    if policy == "dense":
+        return SparsityConfig(policy="dense")
+    return SparsityConfig(policy=policy, budget=budget, window=window, full_layers=full_layers)
+
+
+def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    return [rng.randrange(vocab_size) for _ in range(length)]
+
+
+def start_decoding(engine: LLMEngine, count: int, input_len: int, rng: random.Random) -> int:
+    """Add `count` prompts of `input_len` random tokens that keep decoding, and step until each
+    is admitted or a step admits none (the KV cache is full); returns how many are running."""
+    vocab = engine.model_config.vocab_size
+    for i in range(count):
+        engine.add_request(f"running{i}", random_prompt(rng, vocab, input_len), KEEP_DECODING)
+    scheduler = engine.scheduler
+    while scheduler.waiting:
+        admitted = len(scheduler.running)
+        engine.step()
+        if len(scheduler.running) <= admitted:
+            break
+    return len(scheduler.running)
