@@ -138,10 +138,10 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
         # Tensor-parallel workers get each step's inputs from the host: no step launched ahead.
-        wanted = config.async_scheduling
-        if wanted is None:
-            wanted = self.runner.device.type == "cuda"
-        self.async_scheduling = wanted and self.workers is None
+        enabled = config.async_scheduling
+        if enabled is None:
+            enabled = self.runner.device.type == "cuda"
+        self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a decode step launched before the last one's tokens
         self._last_step_end = 0.0
         self._finished_last_step = False

@@ -24,7 +24,7 @@ from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
-from sparse_core.engine.transfers import PendingTokens, pinned, to_device
+from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import (
     ChunkContext,
@@ -361,7 +361,7 @@ class ModelRunner:
             [
                 DecodeGroupMetadata(
                     slot_mapping=self._tensor(slots),
-                    block_tables=pinned(tables, self.device).to(self.device, non_blocking=True),
+                    block_tables=to_device(tables, torch.int32, self.device),
                     # int32 as in the decode graphs' buffers: one compiled kernel for both
                     context_lens=self._tensor(lens, torch.int32),
                     max_context_len=max(lens),

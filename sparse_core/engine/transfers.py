@@ -10,19 +10,22 @@ from __future__ import annotations
 import torch
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A (nested) list of numbers as a tensor on `device`, copied without a wait."""
-    return pinned(torch.tensor(values, dtype=dtype), device).to(device, non_blocking=True)
+def to_device(
+    values: list | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Host values (a nested list of numbers, or a CPU tensor of `dtype`) as a tensor on
+    `device`, copied without a wait."""
+    return _pinned(values, dtype, device).to(device, non_blocking=True)
 
 
 def copy_into(target: torch.Tensor, values: list | torch.Tensor) -> None:
     """Host values (a list or a CPU tensor) into the device tensor `target`, without a wait."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=target.dtype)
-    target.copy_(pinned(host, target.device), non_blocking=True)
+    target.copy_(_pinned(values, target.dtype, target.device), non_blocking=True)
 
 
-def pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` in page-locked memory when it is bound for a GPU (as is, for a CPU device)."""
+def _pinned(values: list | torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The values as a host tensor, page-locked when bound for a GPU (as is, for a CPU)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     return host.pin_memory() if device.type == "cuda" else host
 
 
