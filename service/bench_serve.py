@@ -7,7 +7,10 @@ progress, as independent users do. Prompts are random token ids (exactly `--inpu
 tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
-and in the JSON report every request's send time, TTFT and end-to-end time.
+and in the JSON report every request's send time, TTFT and end-to-end time. Where the server
+exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
+level also reports the server's own mean TTFT, which leaves out the wire, the streaming and this
+process's event loop: the like-for-like figure beside a peer measured in-process.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+# The server's TTFT histogram (service/metrics.py): from a request's arrival at the API server to
+# its first token out of the engine.
+SERVER_TTFT_METRIC = "kvsparse_time_to_first_token_seconds"
 
 
 @dataclass
@@ -50,6 +60,10 @@ class LevelResult:
     tpot_p50_s: float
     tpot_p99_s: float
     e2e_p50_s: float
+    ttft_mean_s: float
+    # The server's mean TTFT over the level's requests; None when the server exposes no kvsparse
+    # metrics (another server, a wrong --metrics-url, Ray mode: metrics are on Ray's port there).
+    server_ttft_mean_s: float | None
     # Closed loop: TTFT p50 of each round (the first arrives at once, later ones as requests
     # finish); empty in open loop.
     ttft_p50_by_round_s: list[float]
@@ -154,6 +168,8 @@ def summarize(
         tpot_p50_s=round(percentile(tpots, 50), 5),
         tpot_p99_s=round(percentile(tpots, 99), 5),
         e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
+        ttft_mean_s=round(sum(ttfts) / len(ttfts), 4) if ttfts else float("nan"),
+        server_ttft_mean_s=None,  # filled in by the caller, which reads the server's metrics
         ttft_p50_by_round_s=[
             round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
             for k in range(rounds)
@@ -195,6 +211,48 @@ async def run_rate_level(
     return summarize(level, request_rate=rate)
 
 
+@dataclass
+class ServerTTFT:
+    """The server's TTFT histogram, read before and after a level from its Prometheus text."""
+
+    http: httpx.AsyncClient
+    url: str | None
+
+    async def read(self) -> tuple[float, float] | None:
+        """(sum of seconds, count) over every label set; None if the server has no such metric."""
+        if not self.url:
+            return None
+        try:
+            response = await self.http.get(self.url)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        totals = {}
+        for line in response.text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            # `name{labels} value` or `name value`; label values may hold spaces.
+            head, brace, tail = line.rpartition("}")
+            name = head.partition("{")[0] if brace else tail.split()[0]
+            if name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
+                totals[name] = totals.get(name, 0.0) + float(tail.split()[0 if brace else 1])
+        if len(totals) < 2:
+            return None
+        return totals[SERVER_TTFT_METRIC + "_sum"], totals[SERVER_TTFT_METRIC + "_count"]
+
+    @staticmethod
+    def mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+        if before is None or after is None or after[1] <= before[1]:
+            return None
+        return round((after[0] - before[0]) / (after[1] - before[1]), 4)
+
+
+def default_metrics_url(base_url: str) -> str:
+    """`/metrics` at the API's host: where `kvsparse serve` (standalone) exposes them."""
+    parts = urlsplit(base_url)
+    return f"{parts.scheme}://{parts.netloc}/metrics"
+
+
 async def run(args: argparse.Namespace) -> dict:
     from openai import AsyncOpenAI
 
@@ -202,6 +260,11 @@ async def run(args: argparse.Namespace) -> dict:
         base_url=args.base_url, api_key=args.api_key or "none", max_retries=0,
         timeout=args.timeout,
     )  # fmt: skip
+    metrics_url = (
+        default_metrics_url(args.base_url) if args.metrics_url is None else args.metrics_url
+    )
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    server_ttft = ServerTTFT(httpx.AsyncClient(headers=headers, timeout=30), metrics_url)
     model = args.model or (await client.models.list()).data[0].id
     rng = random.Random(args.seed)
     await one_request(client, model, random_prompts(1, args, rng)[0], 2)
@@ -216,11 +279,14 @@ async def run(args: argparse.Namespace) -> dict:
             for c in args.concurrency
         )
     for level_run in runs:
+        before = await server_ttft.read()
         level = await level_run
+        level.server_ttft_mean_s = ServerTTFT.mean(before, await server_ttft.read())
         levels.append(level)
         summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
         print(json.dumps(summary), file=sys.stderr, flush=True)
     await client.close()
+    await server_ttft.http.aclose()
     return {
         "base_url": args.base_url,
         "model": model,
@@ -234,10 +300,12 @@ async def run(args: argparse.Namespace) -> dict:
 def table(report: dict) -> str:
     rows = [
         "| load | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
-        "| TTFT p50 per round |",
-        "|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 per round | TTFT mean (server's) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in report["levels"]:
+        server = lv["server_ttft_mean_s"]
+        server = "-" if server is None else f"{server:.3f} s"
         load = (
             f"{lv['concurrency']} clients"
             if lv["concurrency"] is not None
@@ -247,7 +315,8 @@ def table(report: dict) -> str:
             f"| {load} | {lv['requests']} | {lv['output_tok_per_s']:,.0f} | "
             f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
             f"{lv['tpot_p50_s'] * 1000:.1f} ms | "
-            f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s']) or '-'} |"
+            f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s']) or '-'} | "
+            f"{lv['ttft_mean_s']:.3f} s ({server}) |"
         )
     return "\n".join(rows)
 
@@ -277,6 +346,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument(
+        "--metrics-url",
+        default=None,
+        help="the server's Prometheus endpoint, for its own TTFT (default: /metrics at the "
+        "--base-url host; '' to skip)",
+    )
     parser.add_argument("--concurrency", type=_ints, default=[1, 5, 10, 20, 40])
     parser.add_argument(
         "--request-rate",

@@ -22,7 +22,7 @@ import torch
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import EngineConfig, SparsityConfig
-from sparse_core.engine.llm_engine import LLMEngine, StepRecord
+from sparse_core.engine.llm_engine import LLMEngine, StepRecord, gpu_memory_outside_torch
 from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
 
@@ -43,6 +43,10 @@ class RunResult:
     num_preemptions: int
     kv_blocks: dict[str, int]  # blocks per layer group
     kv_cache_gib: float
+    # What this process held on the GPU at its peak (torch's allocator at its peak, CUDA graph
+    # pools included, plus the CUDA context and other memory outside it): the figure to hold
+    # against --gpu-memory-limit-gb. Tensor parallel: rank 0's. None on CPU.
+    peak_gpu_memory_gib: float | None
     prefill_s_per_4k_tokens: float  # steps with a prefill, their decode rows included
     # Wall time in steps with a prefill, in decode-only steps, and between steps (host work).
     time_split_s: dict[str, float] = field(default_factory=dict)
@@ -108,6 +112,9 @@ def run_one(
     bandwidth: float,
     seed: int = 0,
 ) -> RunResult:
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()  # the previous policy's engine is gone
     engine = LLMEngine(engine_config, sparsity)
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
@@ -138,6 +145,9 @@ def run_one(
     prefill_s = sum(r.seconds for r in prefill)
     decode_s = sum(r.seconds for r in decode)
     stats = engine.stats()
+    peak_memory = None
+    if on_gpu:
+        peak_memory = torch.cuda.max_memory_reserved() + gpu_memory_outside_torch(runner.device)
     result = RunResult(
         label=label,
         num_prompts=num_prompts,
@@ -161,6 +171,7 @@ def run_one(
             / 2**30,
             2,
         ),
+        peak_gpu_memory_gib=None if peak_memory is None else round(peak_memory / 2**30, 2),
         prefill_s_per_4k_tokens=round(
             4000 * prefill_s / max(1, sum(r.num_prefill_tokens for r in prefill)), 4
         ),
@@ -188,15 +199,16 @@ def run_one(
 def print_table(results: list[RunResult]) -> None:
     head = (
         f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
-        f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'prefill/4k':>11}"
+        f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'peak GiB':>9}{'prefill/4k':>11}"
         f"{'s in prefill/decode/between steps':>36}{'launching prefill/decode':>26}"
     )
     print(head)
     for r in results:
+        peak = "-" if r.peak_gpu_memory_gib is None else f"{r.peak_gpu_memory_gib:.1f}"
         print(
             f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
-            f"{r.kv_cache_gib:>7.1f}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
+            f"{r.kv_cache_gib:>7.1f}{peak:>9}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
             f"{'/'.join(f'{t:.1f}' for t in r.time_split_s.values()):>36}"
             f"{'/'.join(f'{t:.1f}' for t in r.launch_s.values()):>26}"
         )

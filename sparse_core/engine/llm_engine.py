@@ -178,12 +178,11 @@ class LLMEngine:
         if device.type != "cuda":
             return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
         weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
-        free, total = torch.cuda.mem_get_info(device)
+        total = torch.cuda.mem_get_info(device)[1]
         limit = total * config.gpu_memory_utilization
         if config.gpu_memory_limit_gb is not None:
             limit = min(limit, config.gpu_memory_limit_gb * 2**30)
-        # CUDA context, cuBLAS workspaces and other memory outside torch's allocator.
-        outside_torch = (total - free) - torch.cuda.memory_reserved(device)
+        outside_torch = gpu_memory_outside_torch(device)
         # The decode graphs are captured after the KV cache is allocated: their memory is an
         # estimate (the prefill graphs' pool was measured when they were captured).
         graphs = prefill_graphs
@@ -407,6 +406,13 @@ class LLMEngine:
         """No block leaked or owned twice in any pool (used by tests)."""
         live = self.scheduler.running
         self.block_manager.check_invariants(live)
+
+
+def gpu_memory_outside_torch(device: torch.device) -> int:
+    """Bytes in use on the GPU beyond torch's allocator: the CUDA context, cuBLAS workspaces, and
+    whatever other processes hold."""
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) - torch.cuda.memory_reserved(device)
 
 
 def _stop_workers(workers: TensorParallelWorkers | None) -> None:

@@ -29,7 +29,9 @@ def bench(server, tmp_path, *load_flags: str) -> tuple[int, dict]:
 
 
 def test_open_loop_sends_every_request_at_each_rate(server, tmp_path, capsys):
-    code, report = bench(server, tmp_path, "--request-rate", "50,100", "--num-requests", "5")
+    code, report = bench(
+        server, tmp_path, "--request-rate", "50,100", "--num-requests", "5", "--metrics-url", ""
+    )
     assert code == 0
     assert [level["request_rate"] for level in report["levels"]] == [50.0, 100.0]
     for level in report["levels"]:
@@ -38,6 +40,7 @@ def test_open_loop_sends_every_request_at_each_rate(server, tmp_path, capsys):
         assert abs(level["output_tok_per_s"] * level["wall_s"] - 5 * 6) < 0.05 * 30
         assert 0 < level["ttft_p50_s"] <= level["ttft_max_s"]
         assert level["ttft_p50_by_round_s"] == []
+        assert level["server_ttft_mean_s"] is None  # no metrics asked for
         assert sorted(r["client"] for r in level["request_results"]) == list(range(5))
     assert "| 100 req/s | 5 |" in capsys.readouterr().out
 
@@ -60,6 +63,8 @@ def test_sweep_reports_every_level(server, tmp_path, capsys):
         assert 0 < level["ttft_p50_s"] <= level["ttft_p99_s"] <= level["ttft_max_s"]
         assert level["tpot_p50_s"] > 0
         assert level["e2e_p50_s"] >= level["ttft_p50_s"]
+        # The server's TTFT histogram, read around the level: a part of each client's TTFT.
+        assert 0 < level["server_ttft_mean_s"] <= level["ttft_mean_s"]
         rounds = level["ttft_p50_by_round_s"]
         assert len(rounds) == 2 and all(0 < t <= level["ttft_max_s"] for t in rounds)
         # Each client sends its next request only after the previous one finished.
