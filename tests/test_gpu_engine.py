@@ -99,6 +99,24 @@ def test_cuda_graphs_match_eager(monkeypatch):
     )
 
 
+def test_building_the_model_takes_its_weights_not_a_float32_copy_first():
+    """A float32 build cast to bfloat16 would peak at 3x the bfloat16 weights (the float32
+    model plus the cast); built in bfloat16 the peak is the weights plus one float32 dummy
+    tensor being loaded."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    llm = LLM("dummy:smollm2-135m", device="cuda", kv_cache_memory_gb=0.05, enforce_eager=True)
+    model = llm.engine.runner.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert torch.cuda.max_memory_allocated() - before < 2 * weights
+    del llm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def test_memory_limit_caps_the_whole_process():
     """In a fresh process (as a user starts one): the engine sizes its KV cache so that the
     process, CUDA context included, stays under gpu_memory_limit_gb, and still serves.

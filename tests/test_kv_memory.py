@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.cache.block_manager import cdiv
 
@@ -101,3 +103,16 @@ def test_pyramid_budgets_decrease_with_depth_in_a_few_tiers():
     assert abs(mean - 128) <= 2
     out = llm.generate([list(range(1, 400))], SamplingParams(max_tokens=3, temperature=0))[0]
     assert out.kv_tokens_per_group == {"full": 399, **{g.name: g.budget for g in groups[1:]}}
+
+
+def test_the_model_is_built_in_its_dtype_and_rope_tables_stay_float32():
+    """Built directly in bfloat16 (no float32 copy first, which would take twice the weights'
+    memory while loading); the default dtype is left as it was."""
+    llm = LLM("dummy:tiny", dtype="bfloat16", kv_cache_memory_gb=0.01, max_model_len=256)
+    model = llm.engine.runner.model
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    rotary = model.model.rotary
+    assert rotary.cos.dtype == rotary.sin.dtype == torch.float32
+    assert torch.get_default_dtype() == torch.float32
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3

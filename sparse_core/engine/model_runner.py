@@ -7,10 +7,12 @@ rank runs `execute`; only rank 0 samples.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +112,16 @@ class StepBatch:
     decode: DecodeBatch | None
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -132,12 +144,12 @@ class ModelRunner:
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
+        # Built in its dtype where it runs: building in float32 and casting would first take
+        # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
+        with torch.device(self.device), _default_dtype(self.dtype):
             self.model = LlamaForCausalLM(
                 model_config, plan, sparsity, get_ops(self.device), config.max_model_len
             )
-        self.model.to(self.dtype)
-        self.model.model.rotary.float()  # RoPE tables stay float32 whatever the model dtype
         if source.weights is not None:
             self.model.load_weights(source.weights)
         else:
