@@ -100,9 +100,9 @@ def test_cuda_graphs_match_eager(monkeypatch):
 
 
 def test_building_the_model_takes_its_weights_not_a_float32_copy_first():
-    """A float32 build cast to bfloat16 would peak at 3x the bfloat16 weights (the float32
-    model plus the cast); built in bfloat16 the peak is the weights plus one float32 dummy
-    tensor being loaded."""
+    """A float32 build cast to bfloat16 would peak above twice the bfloat16 weights (the
+    float32 model, then each parameter's cast beside it); built in bfloat16 the peak is the
+    weights plus one float32 dummy tensor being loaded (the embedding, 0.4x) and the KV cache."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
