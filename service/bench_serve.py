@@ -9,8 +9,9 @@ extension, which our server also takes). Per level: TTFT p50/p99/max, time per o
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
 and in the JSON report every request's send time, TTFT and end-to-end time. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
-level also reports the server's own mean TTFT, which leaves out the wire, the streaming and this
-process's event loop: the like-for-like figure beside a peer measured in-process.
+level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
+out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
+measured in-process.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
-
-# The server's TTFT histogram (service/metrics.py): from a request's arrival at the API server to
-# its first token out of the engine.
+# The server's TTFT histogram (service/metrics.py): from when the API server has parsed a request
+# to its first token out of the engine.
 SERVER_TTFT_METRIC = "kvsparse_time_to_first_token_seconds"
 
 
@@ -61,8 +60,9 @@ class LevelResult:
     tpot_p99_s: float
     e2e_p50_s: float
     ttft_mean_s: float
-    # The server's mean TTFT over the level's requests; None when the server exposes no kvsparse
-    # metrics (another server, a wrong --metrics-url, Ray mode: metrics are on Ray's port there).
+    # The server's mean TTFT over the level's requests, from when it had parsed each one; None
+    # when the server exposes no kvsparse metrics (another server, a wrong --metrics-url, Ray
+    # mode: metrics are on Ray's port there).
     server_ttft_mean_s: float | None
     # Closed loop: TTFT p50 of each round (the first arrives at once, later ones as requests
     # finish); empty in open loop.
@@ -211,34 +211,44 @@ async def run_rate_level(
     return summarize(level, request_rate=rate)
 
 
+def parse_server_ttft(metrics_text: str) -> tuple[float, float] | None:
+    """(sum of seconds, count) of the server's TTFT histogram in Prometheus text, over every
+    label set; None if it is not there."""
+    totals: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        # `name{labels} value` or `name value`; label values may hold spaces.
+        head, brace, tail = line.rpartition("}")
+        name = head.partition("{")[0] if brace else tail.split()[0]
+        if name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
+            totals[name] = totals.get(name, 0.0) + float(tail.split()[0 if brace else 1])
+    if len(totals) < 2:
+        return None
+    return totals[SERVER_TTFT_METRIC + "_sum"], totals[SERVER_TTFT_METRIC + "_count"]
+
+
 @dataclass
 class ServerTTFT:
-    """The server's TTFT histogram, read before and after a level from its Prometheus text."""
+    """The server's TTFT histogram, read before and after a level from its metrics endpoint."""
 
-    http: httpx.AsyncClient
-    url: str | None
+    url: str
+    headers: dict[str, str]
 
     async def read(self) -> tuple[float, float] | None:
-        """(sum of seconds, count) over every label set; None if the server has no such metric."""
+        """(sum of seconds, count), or None when there is no such metric to read: a benchmark
+        goes on without it."""
         if not self.url:
             return None
+        import httpx  # the bench extra's (openai's too): not imported by `kvsparse serve`
+
         try:
-            response = await self.http.get(self.url)
+            async with httpx.AsyncClient(headers=self.headers, timeout=30) as http:
+                response = await http.get(self.url)
             response.raise_for_status()
-        except httpx.HTTPError:
+            return parse_server_ttft(response.text)
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError, IndexError):
             return None
-        totals = {}
-        for line in response.text.splitlines():
-            if line.startswith("#") or not line.strip():
-                continue
-            # `name{labels} value` or `name value`; label values may hold spaces.
-            head, brace, tail = line.rpartition("}")
-            name = head.partition("{")[0] if brace else tail.split()[0]
-            if name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
-                totals[name] = totals.get(name, 0.0) + float(tail.split()[0 if brace else 1])
-        if len(totals) < 2:
-            return None
-        return totals[SERVER_TTFT_METRIC + "_sum"], totals[SERVER_TTFT_METRIC + "_count"]
 
     @staticmethod
     def mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
@@ -264,7 +274,7 @@ async def run(args: argparse.Namespace) -> dict:
         default_metrics_url(args.base_url) if args.metrics_url is None else args.metrics_url
     )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server_ttft = ServerTTFT(httpx.AsyncClient(headers=headers, timeout=30), metrics_url)
+    server_ttft = ServerTTFT(metrics_url, headers)
     model = args.model or (await client.models.list()).data[0].id
     rng = random.Random(args.seed)
     await one_request(client, model, random_prompts(1, args, rng)[0], 2)
@@ -286,7 +296,6 @@ async def run(args: argparse.Namespace) -> dict:
         summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
         print(json.dumps(summary), file=sys.stderr, flush=True)
     await client.close()
-    await server_ttft.http.aclose()
     return {
         "base_url": args.base_url,
         "model": model,

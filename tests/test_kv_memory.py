@@ -8,6 +8,7 @@ import torch
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.cache.block_manager import cdiv
+from sparse_core.models.llama import rope_inv_freq
 
 # A 32-layer model with the KV-head layout of Llama-3 scaled down (block accounting depends only
 # on the layer count and the per-token KV size, not on the hidden size).
@@ -106,13 +107,17 @@ def test_pyramid_budgets_decrease_with_depth_in_a_few_tiers():
 
 
 def test_the_model_is_built_in_its_dtype_and_rope_tables_stay_float32():
-    """Built directly in bfloat16 (no float32 copy first, which would take twice the weights'
-    memory while loading); the default dtype is left as it was."""
+    """Built directly in bfloat16 (tests/test_gpu_engine.py checks the memory that saves); the
+    RoPE tables hold bfloat16-rounded values in float32, as when the model was cast after a
+    float32 build, and the default dtype is left as it was."""
     llm = LLM("dummy:tiny", dtype="bfloat16", kv_cache_memory_gb=0.01, max_model_len=256)
     model = llm.engine.runner.model
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     rotary = model.model.rotary
-    assert rotary.cos.dtype == rotary.sin.dtype == torch.float32
+    freqs = torch.outer(torch.arange(256, dtype=torch.float32), rope_inv_freq(model.config))
+    for table, exact in ((rotary.cos, freqs.cos()), (rotary.sin, freqs.sin())):
+        assert table.dtype == torch.float32
+        assert torch.equal(table, exact.to(torch.bfloat16).float())
     assert torch.get_default_dtype() == torch.float32
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     assert len(out.token_ids) == 3

@@ -43,9 +43,10 @@ class RunResult:
     num_preemptions: int
     kv_blocks: dict[str, int]  # blocks per layer group
     kv_cache_gib: float
-    # What this process held on the GPU at its peak (torch's allocator at its peak, CUDA graph
-    # pools included, plus the CUDA context and other memory outside it): the figure to hold
-    # against --gpu-memory-limit-gb. Tensor parallel: rank 0's. None on CPU.
+    # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
+    # included) plus what lies outside it at the end of the run (the CUDA context, and any other
+    # process's memory): the figure to hold against --gpu-memory-limit-gb. Tensor parallel:
+    # rank 0's. None on CPU.
     peak_gpu_memory_gib: float | None
     prefill_s_per_4k_tokens: float  # steps with a prefill, their decode rows included
     # Wall time in steps with a prefill, in decode-only steps, and between steps (host work).
@@ -72,10 +73,10 @@ def measure_copy_bandwidth(device: torch.device) -> float:
     for _ in range(10):
         dst.copy_(src)
     torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds, copied = time.perf_counter() - start, 2 * src.numel() * 10
     del src, dst
     torch.cuda.empty_cache()  # or the engines' peak memory would count these 4 GiB
-    return 2 * 2 * 2**30 * 10 / seconds
+    return copied / seconds
 
 
 def decode_table(
@@ -207,7 +208,7 @@ def print_table(results: list[RunResult]) -> None:
     )
     print(head)
     for r in results:
-        peak = "-" if r.peak_gpu_memory_gib is None else f"{r.peak_gpu_memory_gib:.1f}"
+        peak = "-" if r.peak_gpu_memory_gib is None else f"{r.peak_gpu_memory_gib:.2f}"
         print(
             f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"

@@ -114,6 +114,7 @@ class StepBatch:
 
 @contextlib.contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype, for the whole process (engines are built one at a time)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -146,10 +147,9 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
         # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
+        ops = get_ops(self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(
-                model_config, plan, sparsity, get_ops(self.device), config.max_model_len
-            )
+            self.model = LlamaForCausalLM(model_config, plan, sparsity, ops, config.max_model_len)
         if source.weights is not None:
             self.model.load_weights(source.weights)
         else:

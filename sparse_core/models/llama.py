@@ -74,8 +74,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        # Rounded to the model's dtype (the default dtype while it is built), in which Hugging
+        # Face and vLLM apply them too, and kept in float32 for the kernels.
+        dtype = torch.get_default_dtype()
+        self.register_buffer("cos", freqs.cos().to(dtype).float(), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype).float(), persistent=False)
         self.head_dim = config.head_dim
         self.ops = ops
 

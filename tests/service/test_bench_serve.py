@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from service.bench_serve import percentile
+from service.bench_serve import default_metrics_url, parse_server_ttft, percentile
 from service.cli import main
 from sparse_core import EngineConfig, SparsityConfig
 from tests.service.servers import standalone
@@ -88,3 +90,32 @@ def test_a_rate_that_is_not_positive_is_a_usage_error(capsys):
         main(["bench", "serve", "--request-rate", "2,0"])
     assert exit_info.value.code == 2
     assert "expected positive numbers, got '2,0'" in capsys.readouterr().err
+
+
+def test_server_ttft_is_summed_over_label_sets_from_prometheus_text():
+    text = "\n".join([
+        "# HELP kvsparse_time_to_first_token_seconds Time from request arrival ...",
+        "# TYPE kvsparse_time_to_first_token_seconds histogram",
+        'kvsparse_time_to_first_token_seconds_bucket{le="0.1",model_name="a b}"} 1.0',
+        'kvsparse_time_to_first_token_seconds_sum{model_name="a b}"} 0.5',
+        'kvsparse_time_to_first_token_seconds_count{model_name="a b}"} 2.0',
+        'kvsparse_time_to_first_token_seconds_sum{model_name="c"} 1.5',
+        'kvsparse_time_to_first_token_seconds_count{model_name="c"} 3.0',
+        "kvsparse_time_to_first_token_seconds_created 1.7e9",
+        "kvsparse_num_requests_running 4.0",
+    ])  # fmt: skip
+    assert parse_server_ttft(text) == (2.0, 5.0)
+    unlabelled = "kvsparse_time_to_first_token_seconds_sum 0.25 1700000000\n" + (
+        "kvsparse_time_to_first_token_seconds_count 1"
+    )
+    assert parse_server_ttft(unlabelled) == (0.25, 1.0)
+    assert parse_server_ttft("vllm:time_to_first_token_seconds_sum 3.0\n") is None
+    assert default_metrics_url("http://host:8000/v1") == "http://host:8000/metrics"
+
+
+def test_the_server_command_does_not_need_the_benchmark_clients():
+    """`kvsparse serve` runs where only the serving extra is installed: the load generator's
+    HTTP clients (openai, httpx) are imported when a benchmark runs, not with the CLI."""
+    script = "import sys; sys.modules['httpx'] = sys.modules['openai'] = None; import service.cli"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
