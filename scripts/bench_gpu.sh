@@ -20,7 +20,8 @@
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
 #
-# dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out). Run from
+# dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
+# serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
 # the repository root on a machine with torch + triton (+ transformers for `hf`). The serve steps
 # need the serving extra (fastapi, uvicorn) and the openai client. The vLLM steps need stock vLLM
 # importable and $VLLM_PEER pointing at the directory of its peer scripts (bench.py, sweep.py).
@@ -63,7 +64,7 @@ serve_sweep() {
     shift 2
     # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
     python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
-        >"$OUT/$name.log" 2>&1 &
+        --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
     local server=$!
     for _ in $(seq 240); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \

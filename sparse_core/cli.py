@@ -51,6 +51,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--step-log",
+        default=None,
+        metavar="PATH",
+        help="append every engine step to PATH as a JSON line: a timeline of what ran and how "
+        "long it took",
+    )
     sparse = parser.add_argument_group("sparsity")
     sparse.add_argument("--policy", default="snapkv", choices=POLICIES)
     sparse.add_argument("--budget", type=int, default=512)
@@ -130,6 +137,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         device=args.device,
         dtype=args.dtype,
         seed=args.seed,
+        step_log=args.step_log,
     )
     sparsity = SparsityConfig(
         policy=args.policy,

@@ -130,6 +130,9 @@ class EngineConfig:
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
+    step_log: a file to append every step to, one JSON line each (sparse_core/engine/step_log.py):
+      when it ended (Unix time), what it ran, its wall time and host launch time, whether it was
+      launched ahead, and the host time it spent in kernels' first launches. None: no log.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -150,6 +153,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int | None = None
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    step_log: str | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -73,6 +73,21 @@ def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
             close(out, ref.rms_norm(x, weight[: x.shape[1]], 1e-5)[0], dtype)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason="the interpreter bypasses the launcher's cache")
+def test_first_launches_of_a_variant_are_timed_and_later_ones_not():
+    """A step that loads or compiles a kernel variant shows it in its step record."""
+    from sparse_core.kernels import kernel_first_launch_seconds
+
+    x = torch.randn(2, 1000 + 3, device=DEVICE)  # a row length no other test launches
+    weight = torch.ones(x.shape[1], device=DEVICE)
+    before = kernel_first_launch_seconds()
+    tf.rms_norm(x, weight, 1e-5)
+    first = kernel_first_launch_seconds()
+    tf.rms_norm(x, weight, 1e-5)
+    assert first > before
+    assert kernel_first_launch_seconds() == first
+
+
 def test_launcher_keys_tell_apart_what_triton_compiles_apart():
     """Arguments that Triton specialises differently never share a key; those it compiles the
     same share one (on CPU tensors too: the key reads only dtypes and addresses)."""

@@ -54,6 +54,9 @@ class RunResult:
     # Of the time in steps, the host's until each step's forward pass was enqueued: where it
     # nears the step time, those steps are host-bound (on CPU the launch runs the step).
     launch_s: dict[str, float] = field(default_factory=dict)
+    # Of the launching, first launches of kernel variants (compiled, or loaded from Triton's
+    # cache) after the warm-up: stalls a warm server would not have.
+    kernel_first_launch_s: float = 0.0
     decode_by_batch: list[dict] = field(default_factory=list)
 
 
@@ -188,6 +191,9 @@ def run_one(
             "prefill_steps": round(sum(r.launch_seconds for r in prefill), 2),
             "decode_steps": round(sum(r.launch_seconds for r in decode), 2),
         },
+        kernel_first_launch_s=round(
+            sum(r.kernel_first_launch_seconds for r in engine.step_records), 3
+        ),
         decode_by_batch=decode_table(
             engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
         ),

@@ -22,7 +22,9 @@ from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
+from sparse_core.engine.step_log import StepLog
 from sparse_core.engine.transfers import PendingTokens, to_device
+from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.policy import plan_layers
 
@@ -51,6 +53,9 @@ class StepRecord:
     # Launched before the previous step's tokens were read (async scheduling): its host work
     # overlapped the previous step's device time.
     launched_ahead: bool = False
+    # Of launch_seconds, first launches of kernel variants (Triton compiling them or loading them
+    # from its cache): in the middle of serving, a stall that a warm process does not have.
+    kernel_first_launch_seconds: float = 0.0
 
     @property
     def is_prefill(self) -> bool:
@@ -102,6 +107,7 @@ class LLMEngine:
             check_tp_divisibility(source.config, config.tensor_parallel_size)
             self.workers = TensorParallelWorkers(config, sparsity, source)
         self._finalizer = weakref.finalize(self, _stop_workers, self.workers)
+        self._step_log: StepLog | None = None
         try:
             self._start(config, source)
         except BaseException:
@@ -141,6 +147,8 @@ class LLMEngine:
         self.sequences: dict[str, Sequence] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
+        if config.step_log:
+            self._step_log = StepLog(config.step_log)
         # Tensor-parallel workers get each step's inputs from the host: no step launched ahead.
         enabled = config.async_scheduling
         if enabled is None:
@@ -158,8 +166,11 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any; the engine cannot step afterwards."""
+        """Stop the tensor-parallel workers, if any, and close the step log; the engine cannot
+        step afterwards."""
         self._finalizer()
+        if self._step_log is not None:
+            self._step_log.close()
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -268,13 +279,16 @@ class LLMEngine:
             self._ahead = self._launch_ahead(flight)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
-        if self.step_records is not None and flight.record is not None:
+        if flight.record is not None:
             # Overlapped steps share wall time: each counts from when the one before it ended.
             record = flight.record
             record.seconds = now - max(flight.start, self._last_step_end)
             record.launch_seconds = flight.launched - flight.start
             record.launched_ahead = flight.start < self._last_step_end
-            self.step_records.append(record)
+            if self.step_records is not None:
+                self.step_records.append(record)
+            if self._step_log is not None:
+                self._step_log.write(record)
         self._last_step_end = now
         outputs = []
         for seq, token, wanted in zip(flight.step.seqs, tokens, flight.wanted, strict=True):
@@ -299,10 +313,14 @@ class LLMEngine:
         wanted: list[bool],
         decode_input_ids: torch.Tensor | None = None,
     ) -> _Flight:
-        record = None if self.step_records is None else self._step_record(step)
+        recording = self.step_records is not None or self._step_log is not None
+        record = self._step_record(step) if recording else None
+        first_launches = kernel_first_launch_seconds()
         start = time.monotonic()
         logits = self.runner.launch(step, self.block_manager, decode_input_ids)
         launched = time.monotonic()
+        if record is not None:
+            record.kernel_first_launch_seconds = kernel_first_launch_seconds() - first_launches
         tokens = self.runner.sample_tokens(step, logits, wanted)
         return _Flight(step, wanted, tokens, start, launched, record)
 

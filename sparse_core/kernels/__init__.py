@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,3 +75,10 @@ def get_ops(device: torch.device) -> KernelOps:
     if device.type == "cuda":
         return _triton_ops()
     return REFERENCE_OPS
+
+
+def kernel_first_launch_seconds() -> float:
+    """Host seconds this process has spent in first launches of kernel variants (Triton
+    compiling them, or loading them from its cache); 0 while no Triton kernel has run."""
+    launcher = sys.modules.get("sparse_core.kernels.launcher")  # never imports Triton
+    return launcher.first_launch_seconds() if launcher is not None else 0.0

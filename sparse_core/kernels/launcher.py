@@ -10,10 +10,14 @@ launcher directly. A call with a new key goes through Triton, which compiles or 
 
 Under the interpreter, with Triton's launch hooks set (its profiler), or if the launcher does not
 take the arguments this Triton version was seen to take, every call goes through Triton.
+
+The host time of calls with a new key (compiling a variant, or loading it from Triton's cache) is
+added up in `first_launch_seconds`: a step that pays it in the middle of serving stalls.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -22,6 +26,12 @@ from triton.runtime.jit import JITFunction
 
 _binaries: dict[tuple, tuple[Any, tuple]] = {}
 _direct = True  # cleared if the compiled launcher rejects the call
+_first_launch_seconds = 0.0
+
+
+def first_launch_seconds() -> float:
+    """Host seconds spent so far in calls that had to go through Triton for a new key."""
+    return _first_launch_seconds
 
 
 def _arg_key(arg: object) -> object:
@@ -41,7 +51,7 @@ def _hooks_set() -> bool:
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
     """`kernel[grid](*args, **kwargs)`, where kwargs are the kernel's constexprs (every parameter
     after the positional ones) and launch options (num_warps, num_stages)."""
-    global _direct
+    global _direct, _first_launch_seconds
     if not _direct or not isinstance(kernel, JITFunction) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
@@ -50,7 +60,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: 
     key = (kernel, device, tuple(map(_arg_key, args)), tuple(kwargs.items()))
     cached = _binaries.get(key)
     if cached is None:
+        start = time.perf_counter()
         binary = kernel[grid](*args, **kwargs)
+        _first_launch_seconds += time.perf_counter() - start
         if binary is not None:  # None: a cache hook of Triton's took over the launch
             # The launcher takes every parameter in signature order, constexprs included.
             constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
