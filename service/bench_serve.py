@@ -7,7 +7,8 @@ progress, as independent users do. Prompts are random token ids (exactly `--inpu
 tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
-and in the JSON report every request's send time, TTFT and end-to-end time. Where the server
+and in the JSON report every request's send time (from the level's start, also given as Unix
+time to line up with a server's `--step-log`), TTFT and end-to-end time. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
 level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
@@ -50,6 +51,7 @@ class LevelResult:
     request_rate: float | None  # open loop: mean arrivals per second
     requests: int
     errors: int
+    start_unix_s: float  # what the requests' start_s count from, to line up a server's step log
     wall_s: float
     output_tok_per_s: float
     total_tok_per_s: float
@@ -118,6 +120,7 @@ class LevelRun:
     model: str
     output_len: int
     start: float = field(default_factory=time.perf_counter)
+    start_unix_s: float = field(default_factory=time.time)
     results: list[RequestResult] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -159,6 +162,7 @@ def summarize(
         request_rate=request_rate,
         requests=len(results),
         errors=len(errors),
+        start_unix_s=round(level.start_unix_s, 6),
         wall_s=round(wall, 3),
         output_tok_per_s=round(out_tokens / wall, 2),
         total_tok_per_s=round(all_tokens / wall, 2),

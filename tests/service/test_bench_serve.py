@@ -72,6 +72,7 @@ def test_sweep_reports_every_level(server, tmp_path, capsys):
         # Each client sends its next request only after the previous one finished.
         sent = {(r["client"], r["round"]): r for r in level["request_results"]}
         assert sorted(sent) == [(c, k) for c in range(level["concurrency"]) for k in range(2)]
+        assert level["start_unix_s"] > 1.7e9  # a Unix time, for lining up a server's step log
         for c in range(level["concurrency"]):
             first, second = sent[c, 0], sent[c, 1]
             assert 0 <= first["start_s"] < first["start_s"] + first["e2e_s"] <= second["start_s"]
