@@ -131,8 +131,9 @@ class EngineConfig:
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
     step_log: a file to append every step to, one JSON line each (sparse_core/engine/step_log.py):
-      when it ended (Unix time), what it ran, its wall time and host launch time, whether it was
-      launched ahead, and the host time it spent in kernels' first launches. None: no log.
+      when it ended (Unix time), the engine's policy and budget, what it ran, its wall time and
+      host launch time, whether it was launched ahead, and the host time it spent in kernels'
+      first launches. None: no log.
     """
 
     model: str = "smollm2-135m-instruct"

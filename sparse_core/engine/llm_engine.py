@@ -148,7 +148,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
         if config.step_log:
-            self._step_log = StepLog(config.step_log)
+            pool = {"policy": self.sparsity.policy, "budget": self.sparsity.budget}
+            self._step_log = StepLog(config.step_log, pool)
         # Tensor-parallel workers get each step's inputs from the host: no step launched ahead.
         enabled = config.async_scheduling
         if enabled is None:

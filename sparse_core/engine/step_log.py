@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 class StepLog:
     """Appends to `path`; a line per step, written when the step's tokens reach the host."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, engine: dict[str, object]) -> None:
+        """engine: fields every line carries, telling apart the engines (a server's sparsity
+        pools) that log to one file."""
+        self._engine = engine
         # Open as long as the engine (closed by close() or when collected); line-buffered, so a
         # run cut short keeps every step it logged.
         self._file = open(path, "a", buffering=1)  # noqa: SIM115
@@ -25,7 +28,7 @@ class StepLog:
 
     def write(self, record: StepRecord) -> None:
         # Unix time, to line steps up with a client's clock on the same host.
-        line = {"end_unix_s": round(time.time(), 6), **asdict(record)}
+        line = {"end_unix_s": round(time.time(), 6), **self._engine, **asdict(record)}
         self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
