@@ -314,9 +314,9 @@ class LLMEngine:
         wanted: list[bool],
         decode_input_ids: torch.Tensor | None = None,
     ) -> _Flight:
-        recording = self.step_records is not None or self._step_log is not None
-        record = self._step_record(step) if recording else None
-        first_launches = kernel_first_launch_seconds()
+        record, first_launches = None, 0.0
+        if self.step_records is not None or self._step_log is not None:
+            record, first_launches = self._step_record(step), kernel_first_launch_seconds()
         start = time.monotonic()
         logits = self.runner.launch(step, self.block_manager, decode_input_ids)
         launched = time.monotonic()
