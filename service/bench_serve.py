@@ -12,7 +12,8 @@ time to line up with a server's `--step-log`), TTFT and end-to-end time. Where t
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
 level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
-measured in-process.
+measured in-process. The clients run in processes of their own (`--processes`,
+service/bench_clients.py), so that parsing the streams is not what limits the measurement.
 """
 
 from __future__ import annotations
@@ -22,27 +23,25 @@ import asyncio
 import itertools
 import json
 import math
+import os
 import random
 import sys
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
+
+from service.bench_clients import (
+    CLIENTS_PER_PROCESS,
+    ClientJob,
+    ClientProcesses,
+    ClientSettings,
+    JobsDone,
+    RequestResult,
+    one_request,
+)
 
 # The server's TTFT histogram (service/metrics.py): from when the API server has parsed a request
 # to its first token out of the engine.
 SERVER_TTFT_METRIC = "kvsparse_time_to_first_token_seconds"
-
-
-@dataclass
-class RequestResult:
-    ttft_s: float
-    e2e_s: float
-    output_tokens: int
-    prompt_tokens: int
-    start_s: float = 0.0  # when it was sent, from the start of its level
-    client: int = 0  # closed loop: which client sent it; open loop: its arrival order
-    round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
 
 
 @dataclass
@@ -83,74 +82,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-async def one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    start = time.perf_counter()
-    ttft = None
-    usage = None
-    stream = await client.completions.create(
-        model=model,
-        # The token ids go in extra_body, which the client sends as is: as `prompt` it would
-        # walk the 4000 ids through its parameter transform first, ~30 ms of this process's CPU
-        # per request, paid one request after another when a round of clients sends together.
-        # The request on the wire is the same.
-        prompt=[],
-        max_tokens=output_len,
-        temperature=0.0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"prompt": prompt, "ignore_eos": True},
-    )
-    async for chunk in stream:
-        if ttft is None and chunk.choices:
-            ttft = time.perf_counter() - start
-        if chunk.usage is not None:
-            usage = chunk.usage
-    e2e = time.perf_counter() - start
-    if usage is None:
-        raise RuntimeError("the server sent no usage (stream_options.include_usage)")
-    return RequestResult(ttft if ttft is not None else e2e, e2e, usage.completion_tokens,
-                         usage.prompt_tokens)  # fmt: skip
-
-
-@dataclass
-class LevelRun:
-    """The requests of one load level: each one sent, and its result or error kept."""
-
-    client: Any
-    model: str
-    output_len: int
-    start: float = field(default_factory=time.perf_counter)
-    start_unix_s: float = field(default_factory=time.time)
-    results: list[RequestResult] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-
-    async def send(self, prompt: list[int], client: int, round: int = 0) -> None:
-        start_s = time.perf_counter() - self.start
-        try:
-            result = await one_request(self.client, self.model, prompt, self.output_len)
-        except Exception as exc:
-            self.errors.append(f"{type(exc).__name__}: {exc}")
-            return
-        result.start_s, result.client, result.round = start_s, client, round
-        self.results.append(result)
-
-    @property
-    def wall_s(self) -> float:
-        return time.perf_counter() - self.start
-
-
 def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
     lo, hi = args.token_range
     return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(count)]
 
 
 def summarize(
-    level: LevelRun,
+    start_unix_s: float,
+    done: JobsDone,
     concurrency: int | None = None,
     request_rate: float | None = None,
     rounds: int = 0,
 ) -> LevelResult:
-    results, errors, wall = level.results, level.errors, level.wall_s
+    results, errors, wall = done.results, done.errors, done.end_s
     if errors:
         print(f"  {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
     ttfts = [r.ttft_s for r in results]
@@ -162,7 +106,7 @@ def summarize(
         request_rate=request_rate,
         requests=len(results),
         errors=len(errors),
-        start_unix_s=round(level.start_unix_s, 6),
+        start_unix_s=round(start_unix_s, 6),
         wall_s=round(wall, 3),
         output_tok_per_s=round(out_tokens / wall, 2),
         total_tok_per_s=round(all_tokens / wall, 2),
@@ -178,41 +122,44 @@ def summarize(
             round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
             for k in range(rounds)
         ],
-        request_results=results,
+        request_results=sorted(results, key=lambda r: r.start_s + r.e2e_s),
     )
 
 
-async def run_level(
-    client, model: str, concurrency: int, per_client: int, args: argparse.Namespace, rng
-) -> LevelResult:
-    """Closed loop: `concurrency` clients, each sending `per_client` requests one after another."""
+@dataclass
+class LevelPlan:
+    """One load level: its clients' jobs, and how the report names it."""
+
+    jobs: list[ClientJob]
+    concurrency: int | None = None
+    request_rate: float | None = None
+    rounds: int = 0
+
+
+def closed_loop(concurrency: int, per_client: int, args: argparse.Namespace, rng) -> LevelPlan:
+    """`concurrency` clients, each sending `per_client` requests one after another."""
     prompts = random_prompts(concurrency * per_client, args, rng)
-    level = LevelRun(client, model, args.output_len)
-
-    async def client_loop(index: int) -> None:
-        for k in range(per_client):
-            await level.send(prompts[index * per_client + k], index, round=k)
-
-    await asyncio.gather(*(client_loop(i) for i in range(concurrency)))
-    return summarize(level, concurrency=concurrency, rounds=per_client)
+    jobs = [
+        ClientJob(c, prompts[c * per_client : (c + 1) * per_client]) for c in range(concurrency)
+    ]
+    return LevelPlan(jobs, concurrency=concurrency, rounds=per_client)
 
 
-async def run_rate_level(
-    client, model: str, rate: float, args: argparse.Namespace, rng
-) -> LevelResult:
-    """Open loop: `--num-requests` requests at Poisson arrival times of mean rate `rate`/s."""
+def open_loop(rate: float, args: argparse.Namespace, rng) -> LevelPlan:
+    """`--num-requests` requests at Poisson arrival times of mean rate `rate`/s."""
     prompts = random_prompts(args.num_requests, args, rng)
     arrivals = itertools.accumulate(rng.expovariate(rate) for _ in prompts)
-    level = LevelRun(client, model, args.output_len)
+    jobs = [ClientJob(i, [p], at) for i, (p, at) in enumerate(zip(prompts, arrivals, strict=True))]
+    return LevelPlan(jobs, request_rate=rate)
 
-    async def arrive(index: int, prompt: list[int], at: float) -> None:
-        await asyncio.sleep(at)
-        await level.send(prompt, index)
 
-    await asyncio.gather(
-        *(arrive(i, p, at) for i, (p, at) in enumerate(zip(prompts, arrivals, strict=True)))
-    )
-    return summarize(level, request_rate=rate)
+def num_processes(args: argparse.Namespace) -> int:
+    """--processes, or one per CLIENTS_PER_PROCESS clients of the largest level (open loop: of
+    its requests, the most that can be in flight at once), at most one per CPU core."""
+    if args.processes:
+        return args.processes
+    clients = args.num_requests if args.request_rate else max(args.concurrency, default=1)
+    return max(1, min(os.cpu_count() or 1, math.ceil(clients / CLIENTS_PER_PROCESS)))
 
 
 def parse_server_ttft(metrics_text: str) -> tuple[float, float] | None:
@@ -268,41 +215,41 @@ def default_metrics_url(base_url: str) -> str:
 
 
 async def run(args: argparse.Namespace) -> dict:
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(
-        base_url=args.base_url, api_key=args.api_key or "none", max_retries=0,
-        timeout=args.timeout,
-    )  # fmt: skip
     metrics_url = (
         default_metrics_url(args.base_url) if args.metrics_url is None else args.metrics_url
     )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server_ttft = ServerTTFT(metrics_url, headers)
-    model = args.model or (await client.models.list()).data[0].id
+    settings = ClientSettings(args.base_url, args.api_key or "none", args.model or "",
+                              args.output_len, args.timeout)  # fmt: skip
     rng = random.Random(args.seed)
-    await one_request(client, model, random_prompts(1, args, rng)[0], 2)
-    levels = []
+    client = settings.client()
+    try:
+        settings.model = settings.model or (await client.models.list()).data[0].id
+        # Warm-up, not measured: the server's first request may compile or allocate.
+        await one_request(client, settings.model, random_prompts(1, args, rng)[0], 2)
+    finally:
+        await client.close()
     if args.request_rate:
-        runs = (run_rate_level(client, model, rate, args, rng) for rate in args.request_rate)
+        plans = [open_loop(rate, args, rng) for rate in args.request_rate]
     else:
-        runs = (
-            run_level(
-                client, model, c, args.requests_per_client or (3 if c <= 10 else 2), args, rng
-            )
+        plans = [
+            closed_loop(c, args.requests_per_client or (3 if c <= 10 else 2), args, rng)
             for c in args.concurrency
-        )
-    for level_run in runs:
-        before = await server_ttft.read()
-        level = await level_run
-        level.server_ttft_mean_s = ServerTTFT.mean(before, await server_ttft.read())
-        levels.append(level)
-        summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
-        print(json.dumps(summary), file=sys.stderr, flush=True)
-    await client.close()
+        ]
+    levels = []
+    with ClientProcesses(num_processes(args), settings) as processes:
+        for plan in plans:
+            before = await server_ttft.read()
+            start_unix_s, done = await asyncio.to_thread(processes.run, plan.jobs)
+            level = summarize(start_unix_s, done, plan.concurrency, plan.request_rate, plan.rounds)
+            level.server_ttft_mean_s = ServerTTFT.mean(before, await server_ttft.read())
+            levels.append(level)
+            summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
+            print(json.dumps(summary), file=sys.stderr, flush=True)
     return {
         "base_url": args.base_url,
-        "model": model,
+        "model": settings.model,
         "label": args.label,
         "input_len": args.input_len,
         "output_len": args.output_len,
@@ -350,6 +297,13 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _token_range(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     return int(lo), int(hi)
@@ -386,6 +340,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=(100, 30000),
         help="LO:HI, random prompt token ids are drawn from [LO, HI) (fits the vocabularies of "
         "Llama, Mistral, Qwen, SmolLM)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=_positive_int,
+        default=None,
+        help=f"load generator processes the clients are spread over (default: one per "
+        f"{CLIENTS_PER_PROCESS} clients of the largest level, at most one per CPU core)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600)

@@ -35,7 +35,8 @@ def test_each_step_is_logged_as_the_engine_records_it(tmp_path):
     assert lines[0]["num_prefill_tokens"] == 65
     ends = [line["end_unix_s"] for line in lines]
     assert ends == sorted(ends)
-    assert all(line["seconds"] > 0 and line["kernel_first_launch_seconds"] == 0 for line in lines)
+    # On a GPU, the first steps may launch kernel variants the start-up did not.
+    assert all(line["seconds"] > 0 and line["kernel_first_launch_seconds"] >= 0 for line in lines)
 
 
 def test_the_cli_flag_reaches_the_engine(tmp_path):

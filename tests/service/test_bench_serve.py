@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from service.bench_serve import default_metrics_url, parse_server_ttft, percentile
+from service.bench_serve import (
+    add_arguments,
+    default_metrics_url,
+    num_processes,
+    parse_server_ttft,
+    percentile,
+)
 from service.cli import main
 from sparse_core import EngineConfig, SparsityConfig
 from tests.service.servers import standalone
@@ -47,10 +55,12 @@ def test_open_loop_sends_every_request_at_each_rate(server, tmp_path, capsys):
     assert "| 100 req/s | 5 |" in capsys.readouterr().out
 
 
-def test_sweep_reports_every_level(server, tmp_path, capsys):
-    code, report = bench(
-        server, tmp_path, "--concurrency", "1,3", "--requests-per-client", "2", "--label", "tiny"
-    )
+@pytest.mark.parametrize("processes", [[], ["--processes", "2"]], ids=["default", "2"])
+def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
+    """By default these few clients share one load generator process; with --processes 2 they
+    are dealt out over two, which start each level together."""
+    code, report = bench(server, tmp_path, "--concurrency", "1,3", "--requests-per-client", "2",
+                         "--label", "tiny", *processes)  # fmt: skip
     assert code == 0
     assert (report["model"], report["label"]) == ("dummy:tiny", "tiny")
     assert [level["concurrency"] for level in report["levels"]] == [1, 3]
@@ -76,7 +86,23 @@ def test_sweep_reports_every_level(server, tmp_path, capsys):
         for c in range(level["concurrency"]):
             first, second = sent[c, 0], sent[c, 1]
             assert 0 <= first["start_s"] < first["start_s"] + first["e2e_s"] <= second["start_s"]
+            assert first["start_s"] < 0.5  # every client starts with the level
+        ends = [r["start_s"] + r["e2e_s"] for r in level["request_results"]]
+        assert ends == sorted(ends) and ends[-1] <= level["wall_s"] + 0.001  # rounded to ms
     assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
+
+
+def test_clients_are_spread_over_a_process_per_ten_by_default():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    processes = [num_processes(parser.parse_args(flags)) for flags in (
+        [], ["--concurrency", "1,5,10"], ["--concurrency", "11"], ["--processes", "3"],
+        ["--request-rate", "1", "--num-requests", "30"],
+    )]  # fmt: skip
+    cores = os.cpu_count() or 1
+    assert processes == [min(cores, 4), 1, min(cores, 2), 3, min(cores, 3)]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--processes", "0"])
 
 
 def test_percentile_is_nearest_rank():

@@ -1,0 +1,200 @@
+"""The clients of `kvsparse bench serve`: streaming requests through the official `openai`
+client, sent from processes of their own.
+
+A load generator must not be what limits the server it measures. The `openai` client spends
+~0.1 ms of CPU on each streamed chunk, and 40 clients of a server that steps every 7 ms receive
+~6,000 chunks a second: in one event loop they fell behind the server by up to 0.8 s (measured
+on an H200 serving 40 clients), which delayed every client's next request and starved the
+engine. The clients are therefore spread over processes, each with its own event loop and
+`openai` client, started together at each load level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+# A process keeps up with this many streaming clients with room to spare (~0.2 s of CPU per
+# second at one chunk per client every 6 ms).
+CLIENTS_PER_PROCESS = 10
+JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass
+class RequestResult:
+    ttft_s: float
+    e2e_s: float
+    output_tokens: int
+    prompt_tokens: int
+    start_s: float = 0.0  # when it was sent, from the start of its level
+    client: int = 0  # closed loop: which client sent it; open loop: its arrival order
+    round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
+
+
+@dataclass
+class ClientSettings:
+    base_url: str
+    api_key: str
+    model: str
+    output_len: int
+    timeout: float
+
+    def client(self):
+        from openai import AsyncOpenAI  # the bench extra's: not imported by `kvsparse serve`
+
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, max_retries=0,
+                           timeout=self.timeout)  # fmt: skip
+
+
+@dataclass
+class ClientJob:
+    """One client's requests, each sent when the one before it has finished, the first `at`
+    seconds after the level starts (closed loop: every client at 0; open loop: one request
+    each, at its arrival time)."""
+
+    client: int
+    prompts: list[list[int]]
+    at: float = 0.0
+
+
+@dataclass
+class JobsDone:
+    results: list[RequestResult]
+    errors: list[str]
+    end_s: float  # when the last request ended, from the level's start
+
+
+async def one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    start = time.perf_counter()
+    ttft = None
+    usage = None
+    stream = await client.completions.create(
+        model=model,
+        # The token ids go in extra_body, which the client sends as is: as `prompt` it would
+        # walk the 4000 ids through its parameter transform first, ~30 ms of this process's CPU
+        # per request, paid one request after another when a round of clients sends together.
+        # The request on the wire is the same.
+        prompt=[],
+        max_tokens=output_len,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"prompt": prompt, "ignore_eos": True},
+    )
+    async for chunk in stream:
+        if ttft is None and chunk.choices:
+            ttft = time.perf_counter() - start
+        if chunk.usage is not None:
+            usage = chunk.usage
+    e2e = time.perf_counter() - start
+    if usage is None:
+        raise RuntimeError("the server sent no usage (stream_options.include_usage)")
+    return RequestResult(ttft if ttft is not None else e2e, e2e, usage.completion_tokens,
+                         usage.prompt_tokens)  # fmt: skip
+
+
+async def run_jobs(
+    client, settings: ClientSettings, jobs: list[ClientJob], start_at: float
+) -> JobsDone:
+    """Every job's requests, timed from `start_at` (Unix time: the processes of a level share
+    it); a request that fails is counted as an error and its client goes on."""
+    results: list[RequestResult] = []
+    errors: list[str] = []
+
+    async def run(job: ClientJob) -> None:
+        await asyncio.sleep(max(0.0, start_at + job.at - time.time()))
+        for round, prompt in enumerate(job.prompts):
+            start_s = time.time() - start_at
+            try:
+                result = await one_request(client, settings.model, prompt, settings.output_len)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            result.start_s, result.client, result.round = start_s, job.client, round
+            results.append(result)
+
+    await asyncio.gather(*(run(job) for job in jobs))
+    return JobsDone(results, errors, time.time() - start_at)
+
+
+class ClientProcesses:
+    """Processes that run a level's client jobs together, for one benchmark."""
+
+    def __init__(self, count: int, settings: ClientSettings) -> None:
+        context = mp.get_context("spawn")  # no copy of the caller's event loop or connections
+        self._conns: list[Connection] = []
+        self._processes: list[mp.process.BaseProcess] = []
+        for i in range(count):
+            conn, child_conn = context.Pipe()
+            process = context.Process(
+                target=_process_main, args=(child_conn, settings), name=f"kvsparse-bench-{i}",
+                daemon=True,
+            )  # fmt: skip
+            process.start()
+            child_conn.close()
+            self._conns.append(conn)
+            self._processes.append(process)
+
+    def run(self, jobs: list[ClientJob]) -> tuple[float, JobsDone]:
+        """Run `jobs`, dealt out over the processes in turn; (the level's start as Unix time,
+        what they all did). The level starts once every process has its client ready."""
+        count = len(self._conns)
+        for i, conn in enumerate(self._conns):
+            conn.send(jobs[i::count])
+        for conn in self._conns:
+            self._receive(conn)  # ready
+        start_at = time.time()
+        for conn in self._conns:
+            conn.send(start_at)
+        done = [self._receive(conn) for conn in self._conns]
+        return start_at, JobsDone(
+            [r for d in done for r in d.results],
+            [e for d in done for e in d.errors],
+            max(d.end_s for d in done),
+        )
+
+    def _receive(self, conn: Connection):
+        try:
+            return conn.recv()
+        except EOFError:
+            raise RuntimeError("a load generator process exited; its error is above") from None
+
+    def close(self) -> None:
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # it has exited already
+                conn.send(None)
+        for process in self._processes:
+            process.join(timeout=JOIN_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> ClientProcesses:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _process_main(conn: Connection, settings: ClientSettings) -> None:
+    """A load generator process: for each level, its jobs, then `None` to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
+    while (jobs := conn.recv()) is not None:
+        conn.send(asyncio.run(_run_level(conn, settings, jobs)))
+
+
+async def _run_level(conn: Connection, settings: ClientSettings, jobs: list[ClientJob]) -> JobsDone:
+    client = settings.client()
+    try:
+        conn.send("ready")
+        start_at = conn.recv()  # nothing else runs in this event loop yet: blocking is fine
+        return await run_jobs(client, settings, jobs, start_at)
+    finally:
+        await client.close()
