@@ -18,6 +18,7 @@
 #                  alone; the sampler's cost per step (snapkv at batch 20, dense at batch 13)
 #   hf             Hugging Face transformers `generate`, batch 32 (the transformers peer)
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
+#   vllm-sweep     stock vLLM: only its concurrency sweep under the same cap
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
@@ -36,6 +37,7 @@ SERVE_ARGS=${SERVE_ARGS:---gpu-memory-limit-gb 24 --max-model-len 4608 --max-num
 INPUT_LEN=${INPUT_LEN:-4000}
 OUTPUT_LEN=${OUTPUT_LEN:-500}
 TOKEN_RANGE=${TOKEN_RANGE:-100:30000}
+LOAD_ARGS=${LOAD_ARGS:-}  # more `kvsparse bench serve` flags for the serve steps, e.g. --processes 1
 RATES=${RATES:-1,2,3}
 NUM_REQUESTS=${NUM_REQUESTS:-30}
 mkdir -p "$OUT"
@@ -72,7 +74,8 @@ serve_sweep() {
         kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/$name.log"; return 1; }
         sleep 1
     done
-    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" "$@" \
+    # shellcheck disable=SC2086  # LOAD_ARGS is a list of flags
+    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" "$@" $LOAD_ARGS \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --token-range "$TOKEN_RANGE" \
         --label "kvsparse $policy" --output "$OUT/$name.json" 2>>"$OUT/$name.log"
     local status=$?
@@ -130,6 +133,10 @@ step_vllm-cap24() {
     python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>&1 | tee "$OUT/vllm_cap24.log" \
         | tail -1 >"$OUT/vllm_cap24.json"
     cat "$OUT/vllm_cap24.json"
+    step_vllm-sweep
+}
+
+step_vllm-sweep() {
     # Its engine logs its shutdown after the JSON line.
     LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
         | grep '^{"vllm_ttft_sweep"' >"$OUT/vllm_sweep.json"
