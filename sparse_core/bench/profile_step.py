@@ -3,8 +3,10 @@
 Prefills `--prompts` random prompts of `--input-len` tokens in one step (after `--running`
 sequences were admitted, so that their decode rows join the step, as in a mixed step), times a
 few such steps, then runs one under the torch profiler. Prints the step's wall time, the host's
-time to launch it, its GPU kernels by total time, and the torch ops and CUDA calls by host time
-(Python's own time, Triton's launcher included, is the launch time those do not account for).
+time to launch it, when the GPU waited during it (before its first kernel, in gaps between
+kernels, after its last), its GPU kernels by total time, and the torch ops and CUDA calls by host
+time (Python's own time, Triton's launcher included, is the launch time those do not account
+for).
 With `--context N` the prompt is N tokens longer and prefilled in chunks: the measured step is
 its last chunk, after N cached tokens. A prefill's matmuls are 2 FLOPs per token per weight of
 the decoder layers; the printed roofline line compares the matmul kernels' time with that count
@@ -19,9 +21,10 @@ import argparse
 import random
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from sparse_core.bench.workload import KEEP_DECODING, random_prompt, sparsity_for, start_decoding
 from sparse_core.cli import add_graph_args
@@ -30,6 +33,41 @@ from sparse_core.engine.llm_engine import LLMEngine
 
 # Kernel-name fragments of the matmul libraries torch dispatches to on Hopper.
 MATMUL_MARKERS = ("gemm", "nvjet", "sm90_xmma", "cutlass")
+STEP_MARKER = "kvsparse.profiled_step"
+CUDA = torch.autograd.DeviceType.CUDA
+GAP_US = 20  # shorter gaps between kernels are the launch latency of queued kernels
+
+
+@dataclass
+class DeviceIdle:
+    """Seconds in a profiled step when no kernel ran."""
+
+    before_first: float
+    between: float  # gaps over GAP_US
+    longest: float
+    after_last: float
+
+
+def device_idle(events) -> DeviceIdle:
+    """From the profiler's events: where the GPU waited during the step marked STEP_MARKER."""
+    step = next(e for e in events if e.name == STEP_MARKER)
+    spans = sorted(
+        {(e.time_range.start, e.time_range.end) for e in events if e.device_type == CUDA}
+    )
+    between = longest = 0.0
+    busy_until = spans[0][1]
+    for start, end in spans[1:]:
+        gap = start - busy_until
+        if gap > GAP_US:
+            between += gap
+            longest = max(longest, gap)
+        busy_until = max(busy_until, end)
+    return DeviceIdle(
+        (spans[0][0] - step.time_range.start) / 1e6,
+        between / 1e6,
+        longest / 1e6,
+        max(0.0, step.time_range.end - busy_until) / 1e6,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     def measured_step(names: list[str]) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        engine.step()
+        with record_function(STEP_MARKER):  # the profiled step's span, for device_idle
+            engine.step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         if any(engine.sequences[name].is_prefilling for name in names):
@@ -126,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     per_kernel: dict[str, float] = defaultdict(float)  # ms in the step
     num_kernels = 0  # launches: the launch time over this is the host's cost per launch
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.device_type == CUDA:
             per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
             num_kernels += 1
     # The step ends waiting for the device (the sampled tokens' copy, the synchronisation):
@@ -137,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         if not any(wait in a.key for wait in ("Synchronize", "Memcpy", "_local_scalar_dense"))
     }
     total = sum(per_kernel.values())
+    idle = device_idle(prof.events())
     matmul = sum(t for name, t in per_kernel.items() if any(m in name for m in MATMUL_MARKERS))
     model = engine.runner.model
     timing = (
@@ -168,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
             f"matmuls {matmul:.1f} ms ({100 * matmul / total:.0f}% of kernel time); at "
             f"{args.bandwidth_tbs:.2f} TB/s reading the weights once takes {ideal:.1f} ms"
         )
+    print(
+        f"GPU idle in the step: {idle.before_first * 1e3:.2f} ms before its first kernel (the "
+        f"host preparing it), {idle.between * 1e3:.2f} ms in gaps over {GAP_US} us between "
+        f"kernels (the longest {idle.longest * 1e3:.2f} ms), {idle.after_last * 1e3:.2f} ms "
+        "after its last"
+    )
     print(f"{'ms/step':>8} {'share':>6}  kernel")
     for name, t in sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"{t:8.2f} {100 * t / total:5.1f}%  {name[:90]}")
