@@ -22,6 +22,7 @@ def event(name: str, device, start_us: float, end_us: float) -> SimpleNamespace:
 def test_idle_time_before_between_and_after_the_kernels():
     events = [
         event(STEP_MARKER, CPU, 1000, 2000),
+        event(STEP_MARKER, CUDA, 1300, 1900),  # the marker's span on the GPU: not a kernel
         event("aten::mm", CPU, 1100, 1150),
         event("gemm", CUDA, 1300, 1500),
         event("gemm", CUDA, 1300, 1500),  # the same kernel listed twice counts once

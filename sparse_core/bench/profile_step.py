@@ -48,12 +48,15 @@ class DeviceIdle:
     after_last: float
 
 
+def kernels(events) -> list:
+    """The GPU's events: kernels and copies (the marker's GPU-side span left out)."""
+    return [e for e in events if e.device_type == CUDA and e.name != STEP_MARKER]
+
+
 def device_idle(events) -> DeviceIdle:
     """From the profiler's events: where the GPU waited during the step marked STEP_MARKER."""
-    step = next(e for e in events if e.name == STEP_MARKER)
-    spans = sorted(
-        {(e.time_range.start, e.time_range.end) for e in events if e.device_type == CUDA}
-    )
+    step = next(e for e in events if e.name == STEP_MARKER and e.device_type != CUDA)
+    spans = sorted({(e.time_range.start, e.time_range.end) for e in kernels(events)})
     between = longest = 0.0
     busy_until = spans[0][1]
     for start, end in spans[1:]:
@@ -164,10 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
     per_kernel: dict[str, float] = defaultdict(float)  # ms in the step
     num_kernels = 0  # launches: the launch time over this is the host's cost per launch
-    for event in prof.events():
-        if event.device_type == CUDA:
-            per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
-            num_kernels += 1
+    for event in kernels(prof.events()):
+        per_kernel[event.name] += event.time_range.elapsed_us() / 1e3
+        num_kernels += 1
     # The step ends waiting for the device (the sampled tokens' copy, the synchronisation):
     # those calls' time is the GPU's, not the host's.
     host_ops = {
