@@ -118,13 +118,15 @@ class EngineConfig:
       chunked prefill and max_num_batched_tokens up to 2048, every step (its prompt tokens plus
       max_num_seqs decode rows), else 2048; without chunked prefill, 512 (steps of short
       prompts). 0 turns these graphs off; enforce_eager turns off every graph.
-    async_scheduling: while a step that only decodes runs on the device, the host launches the
-      next one (its input tokens are the running step's sampled ids, still on the device), then
-      reads the running step's tokens and builds its outputs: the device no longer waits for the
-      host between decode steps. A sequence that a stop token or string ends has one more token
-      computed and dropped (its row still draws from the engine's generator when sampled, so
-      requests without a `seed` may sample differently than with this off; seeded ones do
-      not). Steps that could admit a prompt, prefill or preempt wait for the tokens as before.
+    async_scheduling: while a step runs on the device, the host launches the next one (its
+      decode rows' input tokens are the running step's sampled ids, still on the device; the
+      waiting prompts that fit join it), then reads the running step's tokens and builds its
+      outputs: the device no longer waits for the host between steps. A sequence that a stop
+      token or string ends has one more token computed and dropped (its row still draws from
+      the engine's generator when sampled, so requests without a `seed` may sample differently
+      than with this off; seeded ones do not). A step that would preempt, follows a prompt's
+      chunk, or comes right after a step that finished a request (unless the waiting prompts
+      already hold more than a step's tokens) waits for the tokens as before.
       None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
       always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and

@@ -84,6 +84,9 @@ def test_aborts_and_arrivals_while_a_step_is_in_flight(llms):
     }
     aborts = {6: "b", 11: "d"}
     runs = {flag: _drive(llm.engine, arrivals, aborts) for flag, llm in llms.items()}
+    # The arrivals join steps launched ahead, their prompts beside the running decode rows.
+    records = llms[True].engine.step_records
+    assert any(r.launched_ahead and r.num_prefill_seqs and r.num_decode_seqs for r in records)
     # An abort cuts a request wherever it is, which differs between the two ways of stepping;
     # what it had produced must still be the start of its answer.
     for request_id, prompt, p in (request for i in (0, 9) for request in arrivals[i]):
@@ -126,3 +129,25 @@ def test_steps_go_ahead_while_prompts_wait_for_a_free_slot():
     for flag in (False, True):
         assert sum(r.num_prefill_tokens for r in records[flag]) == prompt_tokens
         assert sum(r.num_decode_seqs for r in records[flag]) == len(PROMPTS) * 11
+
+
+def test_steps_that_prefill_go_ahead_when_prompts_wait_past_a_step():
+    """Right after a step that finished a request the next step waits for the host (the
+    request's client often sends its next one within a step), unless the prompts already
+    waiting hold more than a step's tokens: a new one would wait behind them either way."""
+    long_prompt = " ".join(PROMPTS) * 4  # ~100 tokens: three overflow a 256-token step
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    runs, engines = {}, {}
+    for flag in (False, True):
+        engines[flag] = _llm(flag, max_model_len=256, max_num_batched_tokens=256).engine
+        requests = [(str(i), long_prompt, params) for i in range(8)]
+        runs[flag] = _drive(engines[flag], {0: requests}, {})
+    _same(runs[False], runs[True])
+    records = engines[True].step_records
+    assert any(r.launched_ahead and r.num_prefill_seqs for r in records)
+    scheduler = engines[True].scheduler
+    for i in range(2):
+        engines[True].add_request(f"w{i}", long_prompt, params)
+        assert not scheduler.waiting_exceeds_a_step()
+    engines[True].add_request("w2", long_prompt, params)
+    assert scheduler.waiting_exceeds_a_step()

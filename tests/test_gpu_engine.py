@@ -23,7 +23,11 @@ SPARSITY = SparsityConfig(policy="snapkv", budget=256, window=32, full_layers=3)
 
 
 def generate(
-    monkeypatch, reference: bool, enforce_eager: bool, chunked: bool = False
+    monkeypatch,
+    reference: bool,
+    enforce_eager: bool,
+    chunked: bool = False,
+    async_scheduling: bool | None = None,
 ) -> list[list[int]]:
     if reference:
         monkeypatch.setattr(model_runner, "get_ops", lambda device: REFERENCE_OPS)
@@ -39,11 +43,13 @@ def generate(
         # Chunked: prompts of 300-688 tokens in chunks of at most 256, beside other prompts.
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=256 if chunked else None,
+        async_scheduling=async_scheduling,  # None: on, as on any GPU
     )
     prompts = [[(i * 131 + j * 7) % 49152 for j in range(300 + 97 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     # Two prompts at once, then one per step: prefills alone and mixed with running decodes.
     engine, finished = llm.engine, {}
+    engine.step_records = []
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
         if i > 0:
@@ -52,6 +58,8 @@ def generate(
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     outs = [finished[str(i)] for i in range(len(prompts))]
     assert outs[-1].kv_tokens_per_group["budget256"] == 256  # compression happened
+    if async_scheduling is not False and not chunked:  # prompts joined steps launched ahead
+        assert any(r.launched_ahead and r.num_prefill_seqs for r in engine.step_records)
     return [o.token_ids for o in outs]
 
 
@@ -91,6 +99,13 @@ def test_chunked_prefill_sizes_its_cache_by_profiling_a_last_chunk():
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_async_scheduling_matches_stepping_one_at_a_time(monkeypatch):
+    """Steps launched ahead, prompts joining them, against each step waiting for the last."""
+    assert generate(monkeypatch, False, enforce_eager=False) == generate(
+        monkeypatch, False, enforce_eager=False, async_scheduling=False
+    )
 
 
 def test_cuda_graphs_match_eager(monkeypatch):

@@ -275,8 +275,11 @@ class LLMEngine:
         self.scheduler.step_done(flight.step)
         # Not right after a step that finished a request: its client's next request (a closed
         # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
-        # hold it back for one more.
-        if self.async_scheduling and not self._finished_last_step:
+        # hold it back for one more. Unless prompts already wait for more than a step: a new
+        # request would wait behind them either way.
+        if self.async_scheduling and (
+            not self._finished_last_step or self.scheduler.waiting_exceeds_a_step()
+        ):
             self._ahead = self._launch_ahead(flight)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
@@ -326,14 +329,15 @@ class LLMEngine:
         return _Flight(step, wanted, tokens, start, launched, record)
 
     def _launch_ahead(self, flight: _Flight) -> _Flight | None:
-        """Launch the next step before `flight`'s tokens reach the host, when it only decodes
-        the same sequences and needs nothing but those tokens: no waiting prompt could be
-        admitted now, none is being prefilled, every row of `flight` sampled a token, and there
-        is room without preempting.
+        """Launch the next step before `flight`'s tokens reach the host, when it needs nothing
+        of them but the tokens themselves: its decode rows are fed `flight`'s sampled tokens on
+        the device, beside the waiting prompts that fit. Only when no prompt is being
+        prefilled in chunks, every row of `flight` sampled a token, and there is room without
+        preempting.
         A sequence that `flight` finishes by length is left out; one that it ends with a stop
         token or string has one token computed in vain. None when the next step must wait."""
         scheduler = self.scheduler
-        if scheduler.can_admit() or not all(flight.wanted):
+        if not all(flight.wanted):
             return None
         row_of = {seq: row for row, seq in enumerate(flight.step.seqs)}
         rows, seqs = [], []
@@ -348,11 +352,13 @@ class LLMEngine:
                 continue
             rows.append(row)
             seqs.append(seq)
-        step = scheduler.schedule_decodes(seqs) if seqs else None
-        if step is None:
+        step = scheduler.schedule_ahead(seqs)
+        if not step:
             return None
         ids = flight.tokens.device_ids[to_device(rows, torch.int64, self.runner.device)]
-        return self._launch(step, [True] * len(seqs), decode_input_ids=ids)
+        # A decode row's input is the token in flight, not appended yet: its sample is wanted.
+        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(seqs)
+        return self._launch(step, wanted, ids)
 
     def _step_record(self, step: ScheduledStep) -> StepRecord:
         """What the step runs, taken when it is launched (the next step launched ahead changes

@@ -244,9 +244,10 @@ class ModelRunner:
             positions += batch.decode.positions
             decode = self._decode_metadata(batch.decode)
         decode_ids = [] if batch.decode is None else batch.decode.input_ids
-        if isinstance(decode_ids, torch.Tensor):  # a decode-only step launched ahead
-            assert batch.prefill is None, "only decode-only steps are launched ahead"
-            token_ids = decode_ids
+        if isinstance(decode_ids, torch.Tensor):  # a step launched ahead: ids on the device
+            token_ids = (
+                torch.cat([self._tensor(input_ids), decode_ids]) if input_ids else decode_ids
+            )
         else:
             token_ids = self._tensor(input_ids + decode_ids)
         meta = StepMetadata(prefill, decode)

@@ -83,16 +83,26 @@ class Scheduler:
             prefills += self._admit(budget)
         return ScheduledStep(prefills, decodes)
 
-    def schedule_decodes(self, seqs: list[Sequence]) -> ScheduledStep | None:
-        """A decode-only step for exactly these running sequences, done prefilling, when every
-        group has room for their next tokens; None, changing nothing, when one would have to be
-        preempted."""
+    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledStep | None:
+        """A step for exactly these running sequences, done prefilling, and the waiting prompts
+        that fit beside them, when every group has room for their next tokens; None, changing
+        nothing, when one would have to be preempted."""
         if not self.block_manager.can_append_all(seqs):
             return None
         for seq in seqs:
             seq.decode_slots = self.block_manager.append_slots(seq)
             seq.num_scheduled_tokens = 1
-        return ScheduledStep([], list(seqs))
+        return ScheduledStep(self._admit(self.max_num_batched_tokens), list(seqs))
+
+    def waiting_exceeds_a_step(self) -> bool:
+        """Whether the waiting prompts hold more tokens than one step feeds: then one of them
+        waits for a later step, and so would a prompt that arrived now."""
+        tokens = 0
+        for seq in self.waiting:
+            tokens += seq.num_prefill_tokens
+            if tokens > self.max_num_batched_tokens:
+                return True
+        return False
 
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""
@@ -110,15 +120,6 @@ class Scheduler:
         if not self.enable_chunked_prefill:
             return 0
         return max(0, min(budget, remaining - self.min_last_chunk))
-
-    def can_admit(self) -> bool:
-        """Whether a step with its whole token budget would admit the first waiting prompt
-        now (a free sequence slot, and room for it, or its first chunk, in every group)."""
-        return (
-            bool(self.waiting)
-            and len(self.running) < self.max_num_seqs
-            and self._admissible_chunk(self.waiting[0], self.max_num_batched_tokens) > 0
-        )
 
     def _admissible_chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of a waiting prompt's prefill that a step with `budget` left admits; 0 when
