@@ -34,6 +34,7 @@ class RequestResult:
     start_s: float = 0.0  # when it was sent, from the start of its level
     client: int = 0  # closed loop: which client sent it; open loop: its arrival order
     round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
+    process: int = 0  # which load generator process sent it
 
 
 @dataclass
@@ -145,31 +146,42 @@ class ClientProcesses:
         what they all did). The level starts once every process has its client ready."""
         count = len(self._conns)
         for i, conn in enumerate(self._conns):
-            conn.send(jobs[i::count])
+            self._call(conn.send, jobs[i::count])
         for conn in self._conns:
-            self._receive(conn)  # ready
+            self._call(conn.recv)  # ready
         start_at = time.time()
         for conn in self._conns:
-            conn.send(start_at)
-        done = [self._receive(conn) for conn in self._conns]
+            self._call(conn.send, start_at)
+        done: list[JobsDone] = []
+        for i, conn in enumerate(self._conns):
+            part = self._call(conn.recv)
+            for result in part.results:
+                result.process = i
+            done.append(part)
         return start_at, JobsDone(
             [r for d in done for r in d.results],
             [e for d in done for e in d.errors],
             max(d.end_s for d in done),
         )
 
-    def _receive(self, conn: Connection):
+    @staticmethod
+    def _call(method, *args):
         try:
-            return conn.recv()
-        except EOFError:
+            return method(*args)
+        except (EOFError, OSError):
             raise RuntimeError("a load generator process exited; its error is above") from None
 
-    def close(self) -> None:
+    def close(self, stop_now: bool = False) -> None:
+        """Stop the processes: after the level in hand, or at once (`stop_now`: the benchmark
+        failed or was interrupted, and what they do is no longer wanted)."""
         for conn in self._conns:
             with contextlib.suppress(OSError):  # it has exited already
                 conn.send(None)
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for process in self._processes:
-            process.join(timeout=JOIN_TIMEOUT_S)
+            if stop_now:
+                process.kill()
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join()
@@ -179,22 +191,30 @@ class ClientProcesses:
     def __enter__(self) -> ClientProcesses:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc_info: object) -> None:
+        self.close(stop_now=exc_type is not None)
 
 
 def _process_main(conn: Connection, settings: ClientSettings) -> None:
-    """A load generator process: for each level, its jobs, then `None` to stop."""
+    """A load generator process: for each level, its jobs, then `None` to stop (also in place
+    of a level's start, when another process failed)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group: the parent stops us
     while (jobs := conn.recv()) is not None:
-        conn.send(asyncio.run(_run_level(conn, settings, jobs)))
+        done = asyncio.run(_run_level(conn, settings, jobs))
+        if done is None:
+            return
+        conn.send(done)
 
 
-async def _run_level(conn: Connection, settings: ClientSettings, jobs: list[ClientJob]) -> JobsDone:
+async def _run_level(
+    conn: Connection, settings: ClientSettings, jobs: list[ClientJob]
+) -> JobsDone | None:
     client = settings.client()
     try:
         conn.send("ready")
         start_at = conn.recv()  # nothing else runs in this event loop yet: blocking is fine
+        if start_at is None:
+            return None
         return await run_jobs(client, settings, jobs, start_at)
     finally:
         await client.close()

@@ -154,12 +154,14 @@ def open_loop(rate: float, args: argparse.Namespace, rng) -> LevelPlan:
 
 
 def num_processes(args: argparse.Namespace) -> int:
-    """--processes, or one per CLIENTS_PER_PROCESS clients of the largest level (open loop: of
-    its requests, the most that can be in flight at once), at most one per CPU core."""
+    """--processes, or one per CLIENTS_PER_PROCESS clients of the largest level (open loop: per
+    CLIENTS_PER_PROCESS requests of a rate, the most that could be in flight at once), at most
+    one per CPU core this process may run on."""
     if args.processes:
         return args.processes
     clients = args.num_requests if args.request_rate else max(args.concurrency, default=1)
-    return max(1, min(os.cpu_count() or 1, math.ceil(clients / CLIENTS_PER_PROCESS)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(cores or 1, math.ceil(clients / CLIENTS_PER_PROCESS)))
 
 
 def parse_server_ttft(metrics_text: str) -> tuple[float, float] | None:

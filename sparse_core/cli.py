@@ -36,8 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="launch each decode-only step before the previous one's tokens reach the host "
-        "(default: on CUDA devices)",
+        help="launch each step before the previous one's tokens reach the host, when it needs "
+        "nothing else from them (default: on CUDA devices)",
     )
     engine.add_argument(
         "--tensor-parallel-size",

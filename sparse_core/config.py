@@ -125,8 +125,9 @@ class EngineConfig:
       token or string ends has one more token computed and dropped (its row still draws from
       the engine's generator when sampled, so requests without a `seed` may sample differently
       than with this off; seeded ones do not). A step that would preempt, follows a prompt's
-      chunk, or comes right after a step that finished a request (unless the waiting prompts
-      already hold more than a step's tokens) waits for the tokens as before.
+      chunk or a forced prompt token, or comes right after a step that finished a request
+      (unless the waiting prompts already hold more than a step's tokens) waits for the tokens
+      as before.
       None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
       always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and

@@ -1,5 +1,5 @@
-"""Async scheduling (a decode step launched before the previous one's tokens are read) gives the
-same outputs as stepping one at a time, on the real SmolLM2-135M, whatever ends or joins the
+"""Async scheduling (a step launched before the previous one's tokens are read, waiting prompts
+joining it) gives the same outputs as stepping one at a time, on the real SmolLM2-135M, whatever ends or joins the
 batch meanwhile, and frees every block."""
 
 from __future__ import annotations
@@ -131,20 +131,29 @@ def test_steps_go_ahead_while_prompts_wait_for_a_free_slot():
         assert sum(r.num_decode_seqs for r in records[flag]) == len(PROMPTS) * 11
 
 
-def test_steps_that_prefill_go_ahead_when_prompts_wait_past_a_step():
+def test_after_a_finish_a_step_goes_ahead_only_when_prompts_wait_past_a_step():
     """Right after a step that finished a request the next step waits for the host (the
     request's client often sends its next one within a step), unless the prompts already
-    waiting hold more than a step's tokens: a new one would wait behind them either way."""
+    waiting hold more than a step's tokens: a new one would wait behind them either way.
+    With two sequences at most, a prompt is admitted only when a request has just finished."""
     long_prompt = " ".join(PROMPTS) * 4  # ~100 tokens: three overflow a 256-token step
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     runs, engines = {}, {}
     for flag in (False, True):
-        engines[flag] = _llm(flag, max_model_len=256, max_num_batched_tokens=256).engine
-        requests = [(str(i), long_prompt, params) for i in range(8)]
+        engines[flag] = _llm(
+            flag, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2
+        ).engine
+        requests = [  # lengths that differ: one finish at a time
+            (str(i), long_prompt, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
+            for i in range(6)
+        ]  # fmt: skip
         runs[flag] = _drive(engines[flag], {0: requests}, {})
     _same(runs[False], runs[True])
-    records = engines[True].step_records
-    assert any(r.launched_ahead and r.num_prefill_seqs for r in records)
+    # The four prompts behind the first two were each admitted right after a finish: the first
+    # two while 4 and 3 prompts waited (more than a step), in steps launched ahead; the last two
+    # while 2 and 1 waited, in steps that waited for the host.
+    admitting = [r for r in engines[True].step_records[1:] if r.num_prefill_seqs]
+    assert [r.launched_ahead for r in admitting] == [True, True, False, False]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     scheduler = engines[True].scheduler
     for i in range(2):
         engines[True].add_request(f"w{i}", long_prompt, params)

@@ -155,7 +155,7 @@ class LLMEngine:
         if enabled is None:
             enabled = self.runner.device.type == "cuda"
         self.async_scheduling = enabled and self.workers is None
-        self._ahead: _Flight | None = None  # a decode step launched before the last one's tokens
+        self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
         self._finished_last_step = False
         logger.info(
@@ -261,8 +261,8 @@ class LLMEngine:
         every running sequence done prefilling); returns the outputs of every sequence in it that
         produced a token (not those fed a forced prompt token or a chunk before the last).
 
-        With async scheduling, a step that only decodes may already have been launched by the
-        previous call, and this call may launch the next one before it reads this one's tokens.
+        With async scheduling, this step may already have been launched by the previous call,
+        and this call may launch the next one before it reads this one's tokens.
         """
         flight, self._ahead = self._ahead, None
         if flight is not None and all(seq.is_finished for seq in flight.step.seqs):

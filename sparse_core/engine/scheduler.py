@@ -85,8 +85,9 @@ class Scheduler:
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledStep | None:
         """A step for exactly these running sequences, done prefilling, and the waiting prompts
-        that fit beside them, when every group has room for their next tokens; None, changing
-        nothing, when one would have to be preempted."""
+        that fit beside them, when every group has room for their next tokens (an empty step
+        when there is nothing to run); None, changing nothing, when one would have to be
+        preempted."""
         if not self.block_manager.can_append_all(seqs):
             return None
         for seq in seqs:

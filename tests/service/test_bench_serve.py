@@ -89,6 +89,9 @@ def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
             assert first["start_s"] < 0.5  # every client starts with the level
         ends = [r["start_s"] + r["e2e_s"] for r in level["request_results"]]
         assert ends == sorted(ends) and ends[-1] <= level["wall_s"] + 0.001  # rounded to ms
+        # Clients are dealt out over the processes in turn: client c to process c % count.
+        count = 2 if processes else 1
+        assert all(r["process"] == r["client"] % count for r in level["request_results"])
     assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
 
 
