@@ -209,12 +209,21 @@ def _process_main(conn: Connection, settings: ClientSettings) -> None:
 async def _run_level(
     conn: Connection, settings: ClientSettings, jobs: list[ClientJob]
 ) -> JobsDone | None:
+    """The level's results; None when it was called off: before its start, or during it (the
+    parent sends nothing then unless it stops, and its end of the pipe closes if it dies)."""
     client = settings.client()
+    loop = asyncio.get_running_loop()
     try:
         conn.send("ready")
         start_at = conn.recv()  # nothing else runs in this event loop yet: blocking is fine
         if start_at is None:
             return None
-        return await run_jobs(client, settings, jobs, start_at)
+        loop.add_reader(conn.fileno(), asyncio.current_task().cancel)
+        try:
+            return await run_jobs(client, settings, jobs, start_at)
+        except asyncio.CancelledError:
+            return None
+        finally:
+            loop.remove_reader(conn.fileno())
     finally:
         await client.close()

@@ -358,7 +358,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    report = asyncio.run(run(args))
+    try:
+        report = asyncio.run(run(args))
+    except KeyboardInterrupt:  # the load generator processes are stopped already
+        print("interrupted", file=sys.stderr)
+        return 130
     print(table(report))
     if args.output:
         with open(args.output, "w") as f:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,7 +21,7 @@ from service.bench_serve import (
 )
 from service.cli import main
 from sparse_core import EngineConfig, SparsityConfig
-from tests.service.servers import standalone
+from tests.service.servers import metric_values, standalone
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +95,43 @@ def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
         count = 2 if processes else 1
         assert all(r["process"] == r["client"] % count for r in level["request_results"])
     assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "killed"])
+def test_a_stopped_benchmark_takes_its_processes_and_requests_along(server, sig):
+    """Interrupted in the middle of a level (Ctrl-C), or killed without a chance to clean up,
+    the benchmark ends within seconds, and so do its load generator processes: the server sees
+    their requests end and nothing left running."""
+
+    def running() -> float:
+        return sum(metric_values(server.metrics(), "kvsparse_num_requests_running"))
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "bench", "serve", "--base-url", server.v1,
+         "--api-key", server.api_key, "--input-len", "24", "--output-len", "200",
+         "--token-range", "1:250", "--concurrency", "4", "--requests-per-client", "1000",
+         "--processes", "2", "--metrics-url", ""],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # As from a terminal: a shell that starts jobs in the background ignores SIGINT for them.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while running() < 3:  # the level's clients, not the warm-up request
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    if sig == signal.SIGINT:
+        assert proc.returncode == 130 and "interrupted" in err
+    else:
+        assert proc.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 30
+    while running() > 0:
+        assert time.monotonic() < deadline, "requests of the stopped load generator still run"
+        time.sleep(0.2)
 
 
 def test_clients_are_spread_over_a_process_per_ten_by_default():
