@@ -8,7 +8,8 @@ tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ign
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
 and in the JSON report every request's send time (from the level's start, also given as Unix
-time to line up with a server's `--step-log`), TTFT and end-to-end time. Where the server
+time to line up with a server's `--step-log`), TTFT, end-to-end time and the load generator
+process that sent it. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
 level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
