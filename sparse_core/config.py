@@ -102,7 +102,8 @@ class EngineConfig:
       GPU stand in for an RTX 4090. Memory that other processes hold on the same GPU when the
       engine starts counts against it, as it would on the smaller card.
     expected_input_len / expected_output_len: the typical request, used to split KV memory
-      between layer groups so that every group runs out at the same number of sequences.
+      between layer groups so that every group runs out at the same number of sequences;
+      async scheduling also takes expected_input_len as the length of the next prompt to come.
     max_num_batched_tokens: prompt tokens prefilled per step (the running sequences' decode
       tokens join them in the same forward pass). Without chunked prefill prompts are prefilled
       whole, so it is at least max_model_len.
@@ -126,8 +127,8 @@ class EngineConfig:
       the engine's generator when sampled, so requests without a `seed` may sample differently
       than with this off; seeded ones do not). A step that would preempt, follows a prompt's
       chunk or a forced prompt token, or comes right after a step that finished a request
-      (unless the waiting prompts already hold more than a step's tokens) waits for the tokens
-      as before.
+      (unless the waiting prompts leave no room in it for a prompt of expected_input_len
+      tokens) waits for the tokens as before.
       None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
       always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and

@@ -131,32 +131,38 @@ def test_steps_go_ahead_while_prompts_wait_for_a_free_slot():
         assert sum(r.num_decode_seqs for r in records[flag]) == len(PROMPTS) * 11
 
 
-def test_after_a_finish_a_step_goes_ahead_only_when_prompts_wait_past_a_step():
+def test_after_a_finish_a_step_goes_ahead_only_when_a_new_prompt_could_not_join_it():
     """Right after a step that finished a request the next step waits for the host (the
     request's client often sends its next one within a step), unless the prompts already
-    waiting hold more than a step's tokens: a new one would wait behind them either way.
-    With two sequences at most, a prompt is admitted only when a request has just finished."""
-    long_prompt = " ".join(PROMPTS) * 4  # ~100 tokens: three overflow a 256-token step
+    waiting leave no room in it for a prompt of the typical length (expected_input_len): a new
+    one would wait for a later step either way. With two sequences at most, a prompt is
+    admitted only when a request has just finished."""
+    long_prompt = " ".join(PROMPTS) * 4
+    typical = 100  # two prompts and a typical one overflow a 256-token step, one and one do not
     runs, engines = {}, {}
     for flag in (False, True):
         engines[flag] = _llm(
-            flag, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2
-        ).engine
+            flag, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2,
+            expected_input_len=typical,
+        ).engine  # fmt: skip
         requests = [  # lengths that differ: one finish at a time
             (str(i), long_prompt, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
             for i in range(6)
         ]  # fmt: skip
         runs[flag] = _drive(engines[flag], {0: requests}, {})
+    prompt_len = len(runs[True]["0"].prompt_token_ids)
+    assert 2 * prompt_len + typical > 256 >= prompt_len + typical
     _same(runs[False], runs[True])
     # The four prompts behind the first two were each admitted right after a finish: the first
-    # two while 4 and 3 prompts waited (more than a step), in steps launched ahead; the last two
-    # while 2 and 1 waited, in steps that waited for the host.
+    # three while 4, 3 and 2 prompts waited (no room left beside the others), in steps launched
+    # ahead; the last alone, in a step that waited for the host.
     admitting = [r for r in engines[True].step_records[1:] if r.num_prefill_seqs]
-    assert [r.launched_ahead for r in admitting] == [True, True, False, False]
+    assert [r.launched_ahead for r in admitting] == [True, True, True, False]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     scheduler = engines[True].scheduler
-    for i in range(2):
-        engines[True].add_request(f"w{i}", long_prompt, params)
-        assert not scheduler.waiting_exceeds_a_step()
-    engines[True].add_request("w2", long_prompt, params)
-    assert scheduler.waiting_exceeds_a_step()
+    assert scheduler.admits_another_prompt(256) and not scheduler.admits_another_prompt(257)
+    engines[True].add_request("w0", long_prompt, params)
+    assert scheduler.admits_another_prompt(256 - prompt_len)
+    assert not scheduler.admits_another_prompt(256 - prompt_len + 1)
+    engines[True].add_request("w1", long_prompt, params)
+    assert not scheduler.admits_another_prompt(typical)

@@ -275,10 +275,11 @@ class LLMEngine:
         self.scheduler.step_done(flight.step)
         # Not right after a step that finished a request: its client's next request (a closed
         # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
-        # hold it back for one more. Unless prompts already wait for more than a step: a new
-        # request would wait behind them either way.
+        # hold it back for one more. Unless a prompt of the typical length could not join that
+        # step anyway: the prompts already waiting leave no room for it.
         if self.async_scheduling and (
-            not self._finished_last_step or self.scheduler.waiting_exceeds_a_step()
+            not self._finished_last_step
+            or not self.scheduler.admits_another_prompt(self.config.expected_input_len)
         ):
             self._ahead = self._launch_ahead(flight)
         tokens = flight.tokens.tolist()  # waits for the device

@@ -95,15 +95,16 @@ class Scheduler:
             seq.num_scheduled_tokens = 1
         return ScheduledStep(self._admit(self.max_num_batched_tokens), list(seqs))
 
-    def waiting_exceeds_a_step(self) -> bool:
-        """Whether the waiting prompts hold more tokens than one step feeds: then one of them
-        waits for a later step, and so would a prompt that arrived now."""
-        tokens = 0
+    def admits_another_prompt(self, num_tokens: int) -> bool:
+        """Whether a prompt of `num_tokens` arriving now could still join the next step, beside
+        the prompts already waiting (which go first): whole, or with chunked prefill a chunk of
+        it in whatever room they leave."""
+        room = self.max_num_batched_tokens
         for seq in self.waiting:
-            tokens += seq.num_prefill_tokens
-            if tokens > self.max_num_batched_tokens:
-                return True
-        return False
+            room -= seq.num_prefill_tokens
+            if room <= 0:
+                return False
+        return room >= (1 if self.enable_chunked_prefill else num_tokens)
 
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""
