@@ -32,8 +32,8 @@ class KernelOps:
     apply_rotary_: Callable
 
 
-def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None):
-    return reference.causal_attention(q, k, v, cu_seqlens, scale, cu_seqlens_k), None
+def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None, out=None):
+    return reference.causal_attention(q, k, v, cu_seqlens, scale, cu_seqlens_k, out), None
 
 
 REFERENCE_OPS = KernelOps(

@@ -22,16 +22,17 @@ def prefill_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
     cu_seqlens_k: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
     `cu_seqlens_k` (default: `cu_seqlens`) packs the keys apart from the queries: a sequence may
     have more keys than queries, its queries being its last tokens (a prompt chunk after the
-    chunks already cached). Materialises each sequence's logits: use it as an oracle and for
-    short sequences.
+    chunks already cached). `out`: where to write the output (default: a new tensor).
+    Materialises each sequence's logits: use it as an oracle and for short sequences.
     """
     num_q, num_kv = q.shape[1], k.shape[1]
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     lse = torch.empty(num_q, q.shape[0], dtype=torch.float32, device=q.device)
     for (start, end), (k_start, k_end) in _query_and_key_bounds(cu_seqlens, cu_seqlens_k):
         qs = q[start:end].float().transpose(0, 1)  # [Hq, n, D]
@@ -54,13 +55,14 @@ def causal_attention(
     cu_seqlens: torch.Tensor,
     scale: float,
     cu_seqlens_k: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` without LSE, through torch's fused SDPA.
 
     The fast CPU path: memory stays linear in the sequence length (a sequence with more keys
     than queries passes a [queries, keys] mask).
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for (start, end), (k_start, k_end) in _query_and_key_bounds(cu_seqlens, cu_seqlens_k):
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         ks, vs = (x[k_start:k_end].transpose(0, 1).unsqueeze(0) for x in (k, v))
@@ -289,11 +291,13 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the cache, including
     the one written this step); `max_context_len`, a bound on context_lens, spares a host sync.
+    `out`: where to write the output (default: a new tensor).
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -309,8 +313,9 @@ def paged_decode_attention(
     valid = torch.arange(max_len, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).long()
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-    return out.reshape(batch, num_q, head_dim).to(q.dtype)
+    result = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    result = result.reshape(batch, num_q, head_dim).to(q.dtype)
+    return result if out is None else out.copy_(result)
 
 
 def rms_norm(

@@ -213,12 +213,14 @@ def prefill_attention(
     scale: float,
     max_seqlen: int | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
     `max_seqlen` (the most queries of a sequence) sizes the grid; pass it to avoid a
     device-to-host sync on cu_seqlens. `cu_seqlens_k`: keys packed apart from the queries, as
-    in `reference.prefill_attention`.
+    in `reference.prefill_attention`. `out`: where to write the output (default: a new tensor;
+    its head dim must be contiguous).
     """
     num_tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
@@ -227,7 +229,8 @@ def prefill_attention(
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
     cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
     assert cu_seqlens.is_contiguous() and cu_seqlens_k.is_contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(-1) == 1
     lse = torch.empty(num_q, num_tokens, dtype=torch.float32, device=q.device)
     num_seqs = cu_seqlens.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
@@ -523,13 +526,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B]. `max_context_len` (an upper
     bound is enough) only chooses the number of splits, without a device-to-host sync, so the
-    launch can be captured in a CUDA graph; every split count reads each whole context.
+    launch can be captured in a CUDA graph; every split count reads each whole context. `out`:
+    where to write the output (default: a new tensor; its head dim must be contiguous).
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -537,7 +542,8 @@ def paged_decode_attention(
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
+    assert out.shape == q.shape and out.stride(-1) == 1
     if batch == 0:
         return out
     if max_context_len is None:

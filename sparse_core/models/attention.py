@@ -142,20 +142,24 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
-        if meta.prefill is None:
-            return self._decode(q, k, v, meta.decode.groups[self.group])
-        n = meta.prefill.num_tokens
-        out = self._prefill(q[:n], k[:n], v[:n], meta.prefill)
-        if meta.decode is None:
-            return out
-        decoded = self._decode(q[n:], k[n:], v[n:], meta.decode.groups[self.group])
-        return torch.cat([out, decoded])
+        out = torch.empty_like(q)
+        n = meta.prefill.num_tokens if meta.prefill is not None else 0
+        if meta.prefill is not None:
+            self._prefill(q[:n], k[:n], v[:n], meta.prefill, out[:n])
+        if meta.decode is not None:
+            self._decode(q[n:], k[n:], v[n:], meta.decode.groups[self.group], out[n:])
+        return out
 
     def _decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: DecodeGroupMetadata
-    ) -> torch.Tensor:
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: DecodeGroupMetadata,
+        out: torch.Tensor,
+    ) -> None:
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
-        return self.ops.paged_decode_attention(
+        self.ops.paged_decode_attention(
             q,
             self.k_cache,
             self.v_cache,
@@ -163,14 +167,21 @@ class PagedAttention(nn.Module):
             group.context_lens,
             self.scale,
             group.max_context_len,
+            out=out,
         )
 
     def _prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: PrefillMetadata
-    ) -> torch.Tensor:
-        """Causal attention within each prompt (over its cached chunks too); every token's K/V is
-        stored, except in a group that compresses the prompt in this step: there only the
-        selected tokens are written (over the cached chunks, which held the whole prompt)."""
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: PrefillMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """Causal attention within each prompt (over its cached chunks too), written to `out`;
+        every token's K/V is stored, except in a group that compresses the prompt in this step:
+        there only the selected tokens are written (over the cached chunks, which held the whole
+        prompt)."""
         group = meta.groups[self.group]
         ops = self.ops
         ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
@@ -178,9 +189,10 @@ class PagedAttention(nn.Module):
         if meta.context is not None:
             k, v = meta.context.pack(ops, k, v, self.k_cache, self.v_cache, group.cached_slots)
             cu_seqlens_k = meta.context.cu_seqlens_k
-        out, lse = ops.prefill_attention(
-            q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k
-        )
+        _, lse = ops.prefill_attention(
+            q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k,
+            out=out,
+        )  # fmt: skip
         if group.compress:
             kept_rows = select_kept_tokens(
                 self.sparsity,
@@ -197,4 +209,3 @@ class PagedAttention(nn.Module):
             ops.store_selected_kv(
                 k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots
             )
-        return out
