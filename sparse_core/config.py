@@ -127,8 +127,9 @@ class EngineConfig:
       the engine's generator when sampled, so requests without a `seed` may sample differently
       than with this off; seeded ones do not). A step that would preempt, follows a prompt's
       chunk or a forced prompt token, or comes right after a step that finished a request
-      (unless the waiting prompts leave no room in it for a prompt of expected_input_len
-      tokens) waits for the tokens as before.
+      (unless a new request could not join it anyway: the waiting prompts take every free
+      sequence slot, or leave no room for a prompt of expected_input_len tokens, or for a
+      chunk of it with chunked prefill) waits for the tokens as before.
       None: on for CUDA devices (on a CPU the launch is the computation: nothing to overlap);
       always off under tensor parallelism.
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and

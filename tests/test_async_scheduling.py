@@ -131,38 +131,48 @@ def test_steps_go_ahead_while_prompts_wait_for_a_free_slot():
         assert sum(r.num_decode_seqs for r in records[flag]) == len(PROMPTS) * 11
 
 
-def test_after_a_finish_a_step_goes_ahead_only_when_a_new_prompt_could_not_join_it():
+def test_after_a_finish_a_step_goes_ahead_when_a_new_prompt_could_not_join_it():
     """Right after a step that finished a request the next step waits for the host (the
-    request's client often sends its next one within a step), unless the prompts already
-    waiting leave no room in it for a prompt of the typical length (expected_input_len): a new
-    one would wait for a later step either way. With two sequences at most, a prompt is
-    admitted only when a request has just finished."""
+    request's client often sends its next one within a step), unless a new prompt could not
+    join it anyway. Here at most two sequences run: each prompt behind the first two is
+    admitted right after a finish, into the one free slot, so a new prompt would find none and
+    every such step is launched ahead (the rule before counted only the waiting tokens)."""
     long_prompt = " ".join(PROMPTS) * 4
-    typical = 100  # two prompts and a typical one overflow a 256-token step, one and one do not
     runs, engines = {}, {}
     for flag in (False, True):
         engines[flag] = _llm(
-            flag, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2,
-            expected_input_len=typical,
-        ).engine  # fmt: skip
+            flag, max_model_len=256, max_num_batched_tokens=256, max_num_seqs=2
+        ).engine
         requests = [  # lengths that differ: one finish at a time
             (str(i), long_prompt, SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True))
             for i in range(6)
         ]  # fmt: skip
         runs[flag] = _drive(engines[flag], {0: requests}, {})
-    prompt_len = len(runs[True]["0"].prompt_token_ids)
-    assert 2 * prompt_len + typical > 256 >= prompt_len + typical
     _same(runs[False], runs[True])
-    # The four prompts behind the first two were each admitted right after a finish: the first
-    # three while 4, 3 and 2 prompts waited (no room left beside the others), in steps launched
-    # ahead; the last alone, in a step that waited for the host.
     admitting = [r for r in engines[True].step_records[1:] if r.num_prefill_seqs]
-    assert [r.launched_ahead for r in admitting] == [True, True, True, False]
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    scheduler = engines[True].scheduler
-    assert scheduler.admits_another_prompt(256) and not scheduler.admits_another_prompt(257)
-    engines[True].add_request("w0", long_prompt, params)
-    assert scheduler.admits_another_prompt(256 - prompt_len)
-    assert not scheduler.admits_another_prompt(256 - prompt_len + 1)
-    engines[True].add_request("w1", long_prompt, params)
-    assert not scheduler.admits_another_prompt(typical)
+    assert [r.launched_ahead for r in admitting] == [True] * 4
+
+
+def test_a_new_prompt_joins_the_next_step_only_with_a_slot_and_room_left():
+    """What `admits_another_prompt` weighs: the waiting prompts go first; a new prompt needs a
+    sequence slot and room for all its tokens, or with chunked prefill for a chunk."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def scheduler(*waiting: int, **engine_args):
+        engine = LLM("dummy:tiny", sparsity=SPARSITY, max_model_len=256, kv_cache_memory_gb=0.01,
+                     **engine_args).engine  # fmt: skip
+        for i, length in enumerate(waiting):
+            engine.add_request(str(i), [5] * length, params)
+        return engine.scheduler
+
+    empty = scheduler(max_num_batched_tokens=256)
+    assert empty.admits_another_prompt(256)
+    assert empty.admits_another_prompt(4000)  # longer than any prompt: taken as a step's worth
+    one = scheduler(100, max_num_batched_tokens=256)
+    assert one.admits_another_prompt(156) and not one.admits_another_prompt(157)
+    assert not scheduler(100, 156, max_num_batched_tokens=256).admits_another_prompt(1)
+    assert not scheduler(10, 10, max_num_seqs=2).admits_another_prompt(10)  # no slot left
+    chunked = scheduler(60, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    window = chunked.min_last_chunk
+    assert chunked.admits_another_prompt(100)  # a first chunk of 4 tokens
+    assert not chunked.admits_another_prompt(window)  # too short to split, too long for 4

@@ -197,26 +197,36 @@ def test_paged_decode_reads_past_a_stale_bound(num_splits: int) -> None:
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2), torch.float32)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_prompt_and_decode_rows_write_into_one_output(num_splits: int) -> None:
+# (prefill kernel, decode kernel, decode's extra arguments) of each kernel set with an `out`
+OUT_KERNELS = {
+    "triton": (tk.prefill_attention, tk.paged_decode_attention, {"num_splits": 1}),
+    "triton-3-splits": (tk.prefill_attention, tk.paged_decode_attention, {"num_splits": 3}),
+    "reference": (ref.prefill_attention, ref.paged_decode_attention, {}),
+    "sdpa": (ref.causal_attention, ref.paged_decode_attention, {}),
+}
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+@pytest.mark.parametrize("kernels", list(OUT_KERNELS))
+def test_prompt_and_decode_rows_write_into_one_output(kernels: str, decode_first: bool) -> None:
     """A step that prefills and decodes writes both attentions into the rows of one tensor
-    (`out`), each kernel touching only its own rows, as the references do."""
+    (`out`), each kernel touching only its own rows, whichever runs first."""
+    prefill, decode, decode_args = OUT_KERNELS[kernels]
     torch.manual_seed(7)
     q, k, v, cu = _packed([9, 14], 4, 2, 32, torch.float32)
     k_cache, v_cache, table, lens = _paged([37, 3], 2, 32, block_size=8, dtype=torch.float32)
     q_decode = _randn(2, 4, 32, dtype=torch.float32)
     n = q.shape[0]
-    for ops_prefill, ops_decode in ((tk.prefill_attention, tk.paged_decode_attention),
-                                    (ref.prefill_attention, ref.paged_decode_attention)):  # fmt: skip
-        out = torch.full((n + 2, 4, 32), float("nan"), device=DEVICE)
-        ops_prefill(q, k, v, cu, 0.3, out=out[:n])
-        decode_kwargs = (
-            {"num_splits": num_splits} if ops_decode is tk.paged_decode_attention else {}
-        )
-        ops_decode(q_decode, k_cache, v_cache, table, lens, 0.2, out=out[n:], **decode_kwargs)
-        _close(out[:n], ref.prefill_attention(q, k, v, cu, 0.3)[0], torch.float32)
-        _close(out[n:], ref.paged_decode_attention(q_decode, k_cache, v_cache, table, lens, 0.2),
-               torch.float32)  # fmt: skip
+    out = torch.full((n + 2, 4, 32), float("nan"), device=DEVICE)
+    writes = [
+        lambda: prefill(q, k, v, cu, 0.3, out=out[:n]),
+        lambda: decode(q_decode, k_cache, v_cache, table, lens, 0.2, out=out[n:], **decode_args),
+    ]
+    for write in reversed(writes) if decode_first else writes:
+        write()
+    _close(out[:n], ref.prefill_attention(q, k, v, cu, 0.3)[0], torch.float32)
+    expected = ref.paged_decode_attention(q_decode, k_cache, v_cache, table, lens, 0.2)
+    _close(out[n:], expected, torch.float32)
 
 
 def test_split_count_heuristic() -> None:

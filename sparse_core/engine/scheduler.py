@@ -97,14 +97,19 @@ class Scheduler:
 
     def admits_another_prompt(self, num_tokens: int) -> bool:
         """Whether a prompt of `num_tokens` arriving now could still join the next step, beside
-        the prompts already waiting (which go first): whole, or with chunked prefill a chunk of
-        it in whatever room they leave."""
+        the prompts already waiting (which go first): a sequence slot left (max_num_seqs), and
+        room in the step's tokens for the whole prompt, or with chunked prefill for a chunk.
+        Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it."""
+        if len(self.running) + len(self.waiting) >= self.max_num_seqs:
+            return False
         room = self.max_num_batched_tokens
         for seq in self.waiting:
             room -= seq.num_prefill_tokens
             if room <= 0:
                 return False
-        return room >= (1 if self.enable_chunked_prefill else num_tokens)
+        if not self.enable_chunked_prefill:
+            num_tokens = min(num_tokens, self.max_num_batched_tokens)
+        return self._next_chunk(num_tokens, room) > 0
 
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""

@@ -142,6 +142,7 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
     ) -> torch.Tensor:
         """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+        assert meta.prefill is not None or meta.decode is not None, "a step with no rows"
         out = torch.empty_like(q)
         n = meta.prefill.num_tokens if meta.prefill is not None else 0
         if meta.prefill is not None:
