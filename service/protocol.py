@@ -91,7 +91,7 @@ class CompletionRequest(SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(x, int) for x in p):
+        if p and isinstance(p[0], int):  # validated as one of the union's lists: all ints
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
