@@ -144,8 +144,9 @@ class PagedAttention(nn.Module):
         """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
         assert meta.prefill is not None or meta.decode is not None, "a step with no rows"
         out = torch.empty_like(q)
-        n = meta.prefill.num_tokens if meta.prefill is not None else 0
+        n = 0  # the prompts' rows come first
         if meta.prefill is not None:
+            n = meta.prefill.num_tokens
             self._prefill(q[:n], k[:n], v[:n], meta.prefill, out[:n])
         if meta.decode is not None:
             self._decode(q[n:], k[n:], v[n:], meta.decode.groups[self.group], out[n:])
