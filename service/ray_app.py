@@ -22,7 +22,7 @@ import dataclasses
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -36,9 +36,12 @@ from service.router import KVCapacityRouter
 from service.settings import (
     PoolSpec,
     ServerSettings,
+    apply_serving_defaults,
     parse_pools,
-    serving_max_num_batched_tokens,
 )
+
+if TYPE_CHECKING:
+    from sparse_core.config import EngineConfig
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
 
@@ -79,6 +82,15 @@ class RayAppConfig:
                 f"unknown kvsparse Serve argument(s) {unknown}; known: {sorted(known)}"
             )
         return cls(**args)
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's configuration, with a server's defaults where `engine` leaves a field
+        unset (service.settings.apply_serving_defaults)."""
+        from sparse_core.config import EngineConfig
+
+        engine_args = {**self.engine, "model": self.model}
+        apply_serving_defaults(engine_args)
+        return EngineConfig(**engine_args)
 
 
 def replica_resources(tensor_parallel_size: int, num_cpus: float, use_gpu: bool) -> dict[str, Any]:
@@ -212,14 +224,10 @@ def _uses_gpu(device: str | None) -> bool:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
-    from sparse_core.config import EngineConfig, SparsityConfig
+    from sparse_core.config import SparsityConfig
 
     cfg = RayAppConfig.from_dict(dict(args))
-    engine_args = {**cfg.engine, "model": cfg.model}
-    engine_args["max_num_batched_tokens"] = serving_max_num_batched_tokens(
-        engine_args.get("max_num_batched_tokens"), engine_args.get("max_model_len")
-    )
-    engine = EngineConfig(**engine_args)
+    engine = cfg.engine_config()
     pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
     served_name = cfg.served_model_name or cfg.model
     tensor_parallel_size = engine.tensor_parallel_size

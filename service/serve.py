@@ -8,9 +8,13 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
-from service.settings import serving_max_num_batched_tokens
+from service.settings import apply_serving_defaults
 from sparse_core import cli as engine_cli
+
+if TYPE_CHECKING:
+    from sparse_core.config import EngineConfig, SparsityConfig
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
 
@@ -72,13 +76,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_arg:
         args.model = args.model_arg
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    args.max_num_batched_tokens = serving_max_num_batched_tokens(
-        args.max_num_batched_tokens, args.max_model_len
-    )
-    engine_config, sparsity = engine_cli.configs_from_args(args)
+    engine_config, sparsity = serving_configs(args)
     if args.ray:
         return _serve_ray(args, engine_config, sparsity)
     return _serve_standalone(args, engine_config, sparsity)
+
+
+def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityConfig]:
+    """The engine and sparsity configurations of `kvsparse serve ARGS`, with a server's defaults
+    for the engine flags left unset."""
+    apply_serving_defaults(vars(args))
+    return engine_cli.configs_from_args(args)
 
 
 def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:

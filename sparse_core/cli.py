@@ -89,6 +89,13 @@ def add_step_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         default=False,
         help="prefill a prompt that does not fit a step in chunks over several steps",
     )
+    parser.add_argument(
+        "--space-admissions",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="while sequences decode, admit new prompts at most every other step, so that a "
+        "burst of requests does not finish in lockstep (default: off; on for `kvsparse serve`)",
+    )
 
 
 def add_graph_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -126,6 +133,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        space_admissions=bool(args.space_admissions),
         block_size=args.block_size,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
         gpu_memory_utilization=args.gpu_memory_utilization,

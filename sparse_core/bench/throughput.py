@@ -260,6 +260,7 @@ def main(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
+            space_admissions=bool(args.space_admissions),
             gpu_memory_utilization=args.gpu_memory_utilization,
             gpu_memory_limit_gb=args.gpu_memory_limit_gb,
             expected_input_len=args.input_len,

@@ -3,7 +3,8 @@ a prompt token fed after a compressed prefix) and, in the same forward pass, pre
 admitted for it, up to max_num_batched_tokens prompt tokens. With chunked prefill a prompt that
 does not fit what is left of a step goes in chunks over several steps. A prompt is admitted only
 when every layer group has room for it; when a group runs out during decode, the newest sequence
-is preempted and recomputed later."""
+is preempted and recomputed later. With space_admissions, while sequences decode, a step that
+admitted a prompt is followed by one that admits none (EngineConfig says why)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class Scheduler:
                 f"observation window ({min_last_chunk}): a prompt's last chunk holds the window"
             )
         self.min_last_chunk = min_last_chunk
+        self.space_admissions = config.space_admissions
+        self._admitted_last_step = False
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -79,9 +82,11 @@ class Scheduler:
                 break
             prefills.append(seq)
             budget -= seq.num_scheduled_tokens
-        if self.num_preemptions == preemptions and budget > 0:
-            prefills += self._admit(budget)
-        return ScheduledStep(prefills, decodes)
+        admitted = []
+        if self.num_preemptions == preemptions and budget > 0 and self._may_admit(decodes):
+            admitted = self._admit(budget)
+        self._admitted_last_step = bool(admitted)
+        return ScheduledStep(prefills + admitted, decodes)
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledStep | None:
         """A step for exactly these running sequences, done prefilling, and the waiting prompts
@@ -93,14 +98,19 @@ class Scheduler:
         for seq in seqs:
             seq.decode_slots = self.block_manager.append_slots(seq)
             seq.num_scheduled_tokens = 1
-        return ScheduledStep(self._admit(self.max_num_batched_tokens), list(seqs))
+        admitted = self._admit(self.max_num_batched_tokens) if self._may_admit(seqs) else []
+        self._admitted_last_step = bool(admitted)
+        return ScheduledStep(admitted, list(seqs))
 
     def admits_another_prompt(self, num_tokens: int) -> bool:
         """Whether a prompt of `num_tokens` arriving now could still join the next step, beside
         the prompts already waiting (which go first): a sequence slot left (max_num_seqs), and
         room in the step's tokens for the whole prompt, or with chunked prefill for a chunk.
-        Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it."""
+        Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it.
+        With space_admissions, none joins the step after one that admitted a prompt."""
         if len(self.running) + len(self.waiting) >= self.max_num_seqs:
+            return False
+        if not self._may_admit([seq for seq in self.running if not seq.is_prefilling]):
             return False
         room = self.max_num_batched_tokens
         for seq in self.waiting:
@@ -110,6 +120,10 @@ class Scheduler:
         if not self.enable_chunked_prefill:
             num_tokens = min(num_tokens, self.max_num_batched_tokens)
         return self._next_chunk(num_tokens, room) > 0
+
+    def _may_admit(self, decodes: list[Sequence]) -> bool:
+        """Whether a step with these decode rows may admit prompts (see space_admissions)."""
+        return not (self.space_admissions and self._admitted_last_step and decodes)
 
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""

@@ -136,11 +136,14 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
     from service.ray_app import RayAppConfig, build_app
-    from sparse_core.config import EngineConfig, SparsityConfig
+    from sparse_core.config import SparsityConfig
 
     assert builder is build_app
     cfg = RayAppConfig.from_dict(app["args"])
-    EngineConfig(**{**cfg.engine, "model": cfg.model})
+    engine = cfg.engine_config()  # a server's defaults where the chart leaves a field unset
+    assert engine.space_admissions
+    assert engine.max_num_batched_tokens == cfg.engine.get("max_num_batched_tokens",
+                                                          engine.max_model_len)  # fmt: skip
     SparsityConfig(**cfg.sparsity)
     build_app(app["args"])  # builds the deployment graph; needs no running cluster
 

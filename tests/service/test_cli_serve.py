@@ -63,3 +63,19 @@ def test_bad_flags_exit_with_a_message():
     )  # fmt: skip
     assert result.returncode == 2
     assert "budget must be an integer" in result.stderr
+
+
+def test_a_server_spaces_admissions_and_takes_one_longest_prompt_per_step():
+    """Unless its flags say otherwise; offline commands keep the engine's defaults."""
+    from service.cli import build_parser
+    from service.serve import serving_configs
+    from sparse_core.cli import configs_from_args
+
+    parser = build_parser()
+    engine, _ = serving_configs(parser.parse_args(["serve", "--max-model-len", "4608"]))
+    assert engine.space_admissions and engine.max_num_batched_tokens == 4608
+    flags = ["--no-space-admissions", "--max-num-batched-tokens", "9216"]
+    engine, _ = serving_configs(parser.parse_args(["serve", *flags]))
+    assert not engine.space_admissions and engine.max_num_batched_tokens == 9216
+    engine, _ = configs_from_args(parser.parse_args(["generate", "hi"]))
+    assert not engine.space_admissions and engine.max_num_batched_tokens == 8192

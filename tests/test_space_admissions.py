@@ -1,0 +1,77 @@
+"""space_admissions: while sequences decode, a prompt is admitted at most every other step, on
+the real SmolLM2-135M, stepping one at a time and with steps launched ahead; the tokens do not
+change."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.engine.llm_engine import LLMEngine
+from sparse_core.models.loader import ModelSource, load_model_source
+
+SPARSITY = SparsityConfig(policy="snapkv", budget=48, window=8, full_layers=2)
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+# 300 tokens each under a 512-token step: one prompt per step.
+PROMPTS = [[random.Random(i).randrange(100, 40000) for _ in range(300)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def source() -> ModelSource:
+    return load_model_source("smollm2-135m-instruct", {})
+
+
+def _engine(source: ModelSource, space_admissions: bool, async_scheduling: bool) -> LLMEngine:
+    return LLM(
+        sparsity=SPARSITY,
+        model_source=source,
+        max_model_len=512,
+        max_num_batched_tokens=512,
+        kv_cache_memory_gb=0.1,
+        space_admissions=space_admissions,
+        async_scheduling=async_scheduling,
+    ).engine
+
+
+def _burst(engine: LLMEngine, params: SamplingParams) -> tuple[dict, str]:
+    """Every prompt arrives before the first step; (last output per request, the steps as a
+    string: P for a step that prefilled, D for one that only decoded)."""
+    engine.step_records = []
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    last = {}
+    while engine.has_unfinished:
+        last.update((out.request_id, out) for out in engine.step())
+    engine.check_invariants()
+    assert all(g["used"] == 0 for g in engine.block_manager.usage().values())
+    return last, "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_burst_is_admitted_every_other_step_with_the_same_tokens(source, async_scheduling):
+    spaced, spaced_steps = _burst(_engine(source, True, async_scheduling), GREEDY)
+    plain, plain_steps = _burst(_engine(source, False, async_scheduling), GREEDY)
+    assert plain_steps.startswith("PPPP")
+    assert spaced_steps.startswith("PDPDPDP") and "PP" not in spaced_steps
+    assert len(spaced_steps) == len(plain_steps) + 3  # one decode-only step per later prompt
+    assert {k: v.token_ids for k, v in spaced.items()} == {k: v.token_ids for k, v in plain.items()}
+
+
+def test_prompts_go_back_to_back_when_nothing_decodes(source):
+    """One token each: every prompt finishes in its prefill step, so no sequence is decoding
+    and nothing waits for a decode-only step."""
+    _, steps = _burst(_engine(source, True, False), SamplingParams(max_tokens=1, ignore_eos=True))
+    assert steps == "PPPP"
+
+
+def test_no_prompt_could_join_the_step_after_an_admission(source):
+    """So that step is launched ahead even right after a finish (LLMEngine.step)."""
+    for spaced in (True, False):
+        engine = _engine(source, spaced, False)
+        engine.add_request("0", PROMPTS[0], GREEDY)
+        engine.step()  # admits and prefills it: it decodes in the next step
+        assert engine.scheduler.admits_another_prompt(10) is not spaced
+        engine.step()  # a decode-only step: the next one may admit again
+        assert engine.scheduler.admits_another_prompt(10)
