@@ -111,9 +111,10 @@ class EngineConfig:
       chunks over the next steps, so that running sequences keep decoding while it is. Until its
       last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
       groups shrink to their budget after it).
-    space_admissions: while sequences decode, a step that admitted a prompt is followed by one
-      that admits none (its decode rows alone, ~6 ms for Llama-3-8B at batch 20 on an H200)
-      before the next prompt joins. Prompts admitted in consecutive steps produce their tokens
+    space_admissions: while sequences decode, a step that ended a prompt's prefill is followed
+      by one that admits none (its decode rows alone, ~6 ms for Llama-3-8B at batch 20 on an
+      H200) before the next prompt joins; a prompt with a single token to generate does not
+      count (it never decodes), nor do the chunks of a chunked prompt before its last. Prompts admitted in consecutive steps produce their tokens
       in lockstep and, at equal lengths, finish in consecutive steps, faster than their clients
       can send the next requests (a closed loop, a chat's next turn): those then queue behind
       each other for the rest of the run, one long prefill step each. Spacing the admissions of

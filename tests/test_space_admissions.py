@@ -75,3 +75,42 @@ def test_no_prompt_could_join_the_step_after_an_admission(source):
         assert engine.scheduler.admits_another_prompt(10) is not spaced
         engine.step()  # a decode-only step: the next one may admit again
         assert engine.scheduler.admits_another_prompt(10)
+
+
+def test_a_prompt_that_never_decodes_does_not_hold_the_next_one_back(source):
+    """One prompt of six tokens, then three of one token each (they end in their prefill
+    step): only the first is followed by a decode-only step."""
+    engine = _engine(source, True, False)
+    engine.step_records = []
+    engine.add_request("long", PROMPTS[0], GREEDY)
+    for i, prompt in enumerate(PROMPTS[1:]):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    steps = "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+    assert steps.startswith("PDPPP"), steps
+
+
+def test_with_chunked_prefill_the_last_chunk_spaces_admissions(source):
+    """Steps of 256 tokens: the step after a prompt's last chunk admits no new prompt (without
+    spacing the third step would admit the third prompt beside the second's last chunk)."""
+    engine = LLM(
+        sparsity=SPARSITY, model_source=source, max_model_len=512, kv_cache_memory_gb=0.1,
+        enable_chunked_prefill=True, max_num_batched_tokens=256, space_admissions=True,
+    ).engine  # fmt: skip
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    scheduler, ended_last_step, admissions, held_back = engine.scheduler, False, 0, 0
+    while engine.has_unfinished:
+        waiting = {seq.request_id for seq in scheduler.waiting}
+        prefilling = {seq.request_id for seq in scheduler.running if seq.is_prefilling}
+        decoding = any(not seq.is_prefilling for seq in scheduler.running)
+        engine.step()
+        admitted = waiting - {seq.request_id for seq in scheduler.waiting}
+        if ended_last_step and decoding:
+            assert not admitted
+            held_back += bool(waiting)
+        admissions += len(admitted)
+        still = {seq.request_id for seq in scheduler.running if seq.is_prefilling}
+        ended_last_step = bool((prefilling | admitted) - still)
+    assert admissions == len(PROMPTS) and held_back

@@ -276,7 +276,8 @@ class LLMEngine:
         # Not right after a step that finished a request: its client's next request (a closed
         # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
         # hold it back for one more. Unless a prompt of the typical length could not join that
-        # step anyway: the prompts already waiting leave no slot or no room for it.
+        # step anyway: the prompts already waiting leave no slot or no room for it, or
+        # space_admissions keeps the step for decoding.
         if self.async_scheduling and (
             not self._finished_last_step
             or not self.scheduler.admits_another_prompt(self.config.expected_input_len)

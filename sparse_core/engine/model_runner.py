@@ -252,14 +252,14 @@ class ModelRunner:
             token_ids = self._tensor(input_ids + decode_ids)
         meta = StepMetadata(prefill, decode)
         # A decode-only step's rows are all its tokens.
-        wanted = self._tensor(rows) if batch.prefill is not None else None
+        logit_rows = self._tensor(rows) if batch.prefill is not None else None
         graphs = self.prefill_graphs
         if graphs is not None and len(positions) <= graphs.max_tokens:
             hidden = graphs.forward(token_ids, self._tensor(positions), meta)
-            if wanted is not None:
-                hidden = hidden[wanted]
+            if logit_rows is not None:
+                hidden = hidden[logit_rows]
         else:
-            hidden = self.model(token_ids, self._tensor(positions), meta, rows=wanted)
+            hidden = self.model(token_ids, self._tensor(positions), meta, rows=logit_rows)
         return self.model.compute_logits(hidden)
 
     def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:

@@ -3,8 +3,8 @@ a prompt token fed after a compressed prefix) and, in the same forward pass, pre
 admitted for it, up to max_num_batched_tokens prompt tokens. With chunked prefill a prompt that
 does not fit what is left of a step goes in chunks over several steps. A prompt is admitted only
 when every layer group has room for it; when a group runs out during decode, the newest sequence
-is preempted and recomputed later. With space_admissions, while sequences decode, a step that
-admitted a prompt is followed by one that admits none (EngineConfig says why)."""
+is preempted and recomputed later. With space_admissions, while sequences decode, a step in which
+a prompt began to decode is followed by one that admits none (EngineConfig says why)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class Scheduler:
             )
         self.min_last_chunk = min_last_chunk
         self.space_admissions = config.space_admissions
-        self._admitted_last_step = False
+        self._decoding_starts = False  # a prompt ends its prefill in the last step scheduled
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -62,7 +62,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         """The next step: a token for every running sequence that is done prefilling, the next
-        chunks of the prompts being prefilled, and the new prompts that fit.
+        chunks of the prompts being prefilled, and the new prompts that fit (none, with
+        space_admissions, right after a step in which a prompt began to decode).
 
         Decoding sequences ride along with the prefill in one forward pass, so a burst of
         arrivals never stops them. A step that had to preempt admits nothing: the cache is full,
@@ -82,24 +83,22 @@ class Scheduler:
                 break
             prefills.append(seq)
             budget -= seq.num_scheduled_tokens
-        admitted = []
-        if self.num_preemptions == preemptions and budget > 0 and self._may_admit(decodes):
-            admitted = self._admit(budget)
-        self._admitted_last_step = bool(admitted)
+        if self.num_preemptions != preemptions:
+            budget = 0
+        admitted = self._admit_spaced(budget, bool(decodes), prefills)
         return ScheduledStep(prefills + admitted, decodes)
 
     def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledStep | None:
         """A step for exactly these running sequences, done prefilling, and the waiting prompts
-        that fit beside them, when every group has room for their next tokens (an empty step
-        when there is nothing to run); None, changing nothing, when one would have to be
-        preempted."""
+        that fit beside them (as in `schedule`), when every group has room for their next tokens
+        (an empty step when there is nothing to run); None, changing nothing, when one would
+        have to be preempted."""
         if not self.block_manager.can_append_all(seqs):
             return None
         for seq in seqs:
             seq.decode_slots = self.block_manager.append_slots(seq)
             seq.num_scheduled_tokens = 1
-        admitted = self._admit(self.max_num_batched_tokens) if self._may_admit(seqs) else []
-        self._admitted_last_step = bool(admitted)
+        admitted = self._admit_spaced(self.max_num_batched_tokens, bool(seqs), [])
         return ScheduledStep(admitted, list(seqs))
 
     def admits_another_prompt(self, num_tokens: int) -> bool:
@@ -107,10 +106,11 @@ class Scheduler:
         the prompts already waiting (which go first): a sequence slot left (max_num_seqs), and
         room in the step's tokens for the whole prompt, or with chunked prefill for a chunk.
         Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it.
-        With space_admissions, none joins the step after one that admitted a prompt."""
+        With space_admissions, while sequences decode, none joins the step after one in which
+        a prompt began to decode."""
         if len(self.running) + len(self.waiting) >= self.max_num_seqs:
             return False
-        if not self._may_admit([seq for seq in self.running if not seq.is_prefilling]):
+        if not self._may_admit(any(not seq.is_prefilling for seq in self.running)):
             return False
         room = self.max_num_batched_tokens
         for seq in self.waiting:
@@ -121,9 +121,24 @@ class Scheduler:
             num_tokens = min(num_tokens, self.max_num_batched_tokens)
         return self._next_chunk(num_tokens, room) > 0
 
-    def _may_admit(self, decodes: list[Sequence]) -> bool:
-        """Whether a step with these decode rows may admit prompts (see space_admissions)."""
-        return not (self.space_admissions and self._admitted_last_step and decodes)
+    def _may_admit(self, decoding: bool) -> bool:
+        """Whether the next step may admit prompts (`decoding`: it has decode rows): with
+        space_admissions, not right after a step in which a prompt began to decode."""
+        return not (self.space_admissions and self._decoding_starts and decoding)
+
+    def _admit_spaced(
+        self, budget: int, decoding: bool, prefilling: list[Sequence]
+    ) -> list[Sequence]:
+        """The waiting prompts that join a step with `budget` prompt tokens left, beside the
+        chunks of `prefilling`; and whether a prompt begins to decode after this step: its
+        prefill ends in it, and it has more than that one token to generate."""
+        admitted = self._admit(budget) if budget > 0 and self._may_admit(decoding) else []
+        self._decoding_starts = any(
+            seq.num_computed_tokens + seq.num_scheduled_tokens >= seq.prefill_len
+            and seq.params.max_tokens > len(seq.output_token_ids) + 1
+            for seq in prefilling + admitted
+        )
+        return admitted
 
     def step_done(self, step: ScheduledStep) -> None:
         """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""

@@ -140,10 +140,7 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
 
     assert builder is build_app
     cfg = RayAppConfig.from_dict(app["args"])
-    engine = cfg.engine_config()  # a server's defaults where the chart leaves a field unset
-    assert engine.space_admissions
-    assert engine.max_num_batched_tokens == cfg.engine.get("max_num_batched_tokens",
-                                                          engine.max_model_len)  # fmt: skip
+    assert cfg.engine_config().space_admissions  # a server's default: the chart leaves it unset
     SparsityConfig(**cfg.sparsity)
     build_app(app["args"])  # builds the deployment graph; needs no running cluster
 

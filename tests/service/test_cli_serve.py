@@ -79,3 +79,12 @@ def test_a_server_spaces_admissions_and_takes_one_longest_prompt_per_step():
     assert not engine.space_admissions and engine.max_num_batched_tokens == 9216
     engine, _ = configs_from_args(parser.parse_args(["generate", "hi"]))
     assert not engine.space_admissions and engine.max_num_batched_tokens == 8192
+
+
+def test_a_serve_config_file_gets_the_same_defaults():
+    from service.ray_app import RayAppConfig
+
+    engine = RayAppConfig(engine={"max_model_len": 4608}).engine_config()
+    assert engine.space_admissions and engine.max_num_batched_tokens == 4608
+    engine = RayAppConfig(engine={"space_admissions": False}).engine_config()
+    assert not engine.space_admissions and engine.max_num_batched_tokens == 8192
