@@ -114,13 +114,14 @@ class EngineConfig:
     space_admissions: while sequences decode, a step that ended a prompt's prefill is followed
       by one that admits none (its decode rows alone, ~6 ms for Llama-3-8B at batch 20 on an
       H200) before the next prompt joins; a prompt with a single token to generate does not
-      count (it never decodes), nor do the chunks of a chunked prompt before its last. Prompts admitted in consecutive steps produce their tokens
-      in lockstep and, at equal lengths, finish in consecutive steps, faster than their clients
-      can send the next requests (a closed loop, a chat's next turn): those then queue behind
-      each other for the rest of the run, one long prefill step each. Spacing the admissions of
-      a burst costs one decode-only step per prompt admitted behind another; serving 20 and 40
-      clients of 4000-token prompts it took TTFT p50 from 0.34 to ~0.23 s (docs/benchmarks.md).
-      Off by default; `kvsparse serve` turns it on.
+      count (it never decodes), nor do the chunks of a chunked prompt before its last. Prompts
+      admitted in consecutive steps produce their tokens in lockstep and, at equal lengths,
+      finish in consecutive steps, faster than their clients can send the next requests (a
+      closed loop, a chat's next turn): those then queue behind each other for the rest of the
+      run, one long prefill step each. Spacing the admissions of a burst costs one decode-only
+      step per prompt admitted behind another; serving 20 and 40 clients of 4000-token prompts
+      it took TTFT p50 from 0.34 to ~0.23 s (docs/benchmarks.md). Off by default; `kvsparse
+      serve` turns it on.
     max_prefill_graph_tokens: steps that prefill with up to this many tokens (decode rows
       included) run everything but their attention from CUDA graphs captured at start-up, in
       buckets of 64 tokens; longer steps, whose device time hides their launches, run eagerly. The

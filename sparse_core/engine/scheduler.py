@@ -130,7 +130,7 @@ class Scheduler:
         self, budget: int, decoding: bool, prefilling: list[Sequence]
     ) -> list[Sequence]:
         """The waiting prompts that join a step with `budget` prompt tokens left, beside the
-        chunks of `prefilling`; and whether a prompt begins to decode after this step: its
+        chunks of `prefilling`. Records whether a prompt begins to decode after this step: its
         prefill ends in it, and it has more than that one token to generate."""
         admitted = self._admit(budget) if budget > 0 and self._may_admit(decoding) else []
         self._decoding_starts = any(
