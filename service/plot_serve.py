@@ -1,8 +1,10 @@
 """Plot `kvsparse bench serve --output` reports side by side: output tokens/s and TTFT p50 against
 concurrency. A stock vLLM sweep (the JSON line its peer `sweep.py` prints last) can go beside them.
+With --per-request, every request's TTFT instead, in ascending order, one panel per concurrency
+level: where a median sits among the rounds of a closed loop.
 
 python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...] [--vllm-sweep SWEEP.json]
-    [--labels "A,B,..."]
+    [--labels "A,B,..."] [--per-request [--target SECONDS]]
 """
 
 from __future__ import annotations
@@ -26,14 +28,43 @@ def load_vllm_sweep(path: str) -> tuple[str, list[dict]]:
     return "stock vLLM 0.24 (in-process)", sweep["rows"]
 
 
-def main() -> None:
+def plot_per_request(plt, runs: list[tuple[str, list[dict]]], target: float | None):
+    """One panel per concurrency level: each report's TTFTs, request by request, ascending."""
+    levels = sorted({lv["concurrency"] for _, run in runs for lv in run})
+    fig, axes = plt.subplots(1, len(levels), figsize=(5.5 * len(levels), 4.2), squeeze=False)
+    for ax, concurrency in zip(axes[0], levels, strict=True):
+        for label, run in runs:
+            for lv in run:
+                if lv["concurrency"] == concurrency:
+                    ttfts = sorted(r["ttft_s"] for r in lv["request_results"])
+                    median = lv["ttft_p50_s"]
+                    ax.plot(range(1, len(ttfts) + 1), ttfts, ".-",
+                            label=f"{label} (p50 {median:.3f} s)")  # fmt: skip
+        if target is not None:
+            ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"{target:g} s")
+        ax.set_yscale("log")
+        ax.set_xlabel("request, by TTFT")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"{concurrency} clients: every request's TTFT")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("reports", nargs="+")
     parser.add_argument("--vllm-sweep", default=None)
     parser.add_argument("--labels", default=None, help="comma-separated, one per report")
     parser.add_argument("--title", default="")
-    args = parser.parse_args()
+    parser.add_argument("--per-request", action="store_true",
+                        help="every request's TTFT per level instead of the sweep's curves")  # fmt: skip
+    parser.add_argument("--target", type=float, default=None,
+                        help="with --per-request: a TTFT to draw as a line, in seconds")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.per_request and args.vllm_sweep:
+        parser.error("--per-request needs each request's results, which --vllm-sweep has not")
 
     plt = pyplot()
     runs = [load_report(path) for path in args.reports]
@@ -45,6 +76,9 @@ def main() -> None:
         if len(labels) != len(runs):
             parser.error(f"--labels has {len(labels)} names for {len(runs)} reports")
         runs = [(label, levels) for label, (_, levels) in zip(labels, runs, strict=True)]
+    if args.per_request:
+        save(plot_per_request(plt, runs, args.target), args.out, dpi=110, title=args.title)
+        return
     if args.vllm_sweep:
         runs.insert(0, load_vllm_sweep(args.vllm_sweep))
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.4))

@@ -97,6 +97,20 @@ def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
     assert "| 3 clients | 6 |" in capsys.readouterr().out  # the table
 
 
+def test_a_report_plots_as_curves_and_request_by_request(server, tmp_path):
+    from service import plot_serve
+
+    code, _ = bench(server, tmp_path, "--concurrency", "1,2", "--requests-per-client", "2")
+    assert code == 0
+    report = str(tmp_path / "bench.json")
+    for flags in ([], ["--per-request", "--target", "0.3"]):
+        png = tmp_path / f"plot{len(flags)}.png"
+        plot_serve.main([str(png), report, report, "--labels", "a,b", *flags])
+        assert png.read_bytes().startswith(b"\x89PNG")
+    with pytest.raises(SystemExit):  # a vLLM sweep has no per-request results
+        plot_serve.main([str(tmp_path / "x.png"), report, "--per-request", "--vllm-sweep", report])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "killed"])
 def test_a_stopped_benchmark_takes_its_processes_and_requests_along(server, sig):
     """Interrupted in the middle of a level (Ctrl-C), or killed without a chance to clean up,
