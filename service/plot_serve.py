@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.per_request and args.vllm_sweep:
         parser.error("--per-request needs each request's results, which --vllm-sweep has not")
+    if args.target is not None and not args.per_request:
+        parser.error("--target draws a line on the --per-request plot")
 
     plt = pyplot()
     runs = [load_report(path) for path in args.reports]

@@ -93,8 +93,9 @@ def add_step_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup
         "--space-admissions",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="while sequences decode, admit new prompts at most every other step, so that a "
-        "burst of requests does not finish in lockstep (default: off; on for `kvsparse serve`)",
+        help="while sequences decode, follow a step that ended a prompt's prefill with one "
+        "that admits no new prompt, so that a burst of requests does not finish in lockstep "
+        "(default: off; on for `kvsparse serve`)",
     )
 
 

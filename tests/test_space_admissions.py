@@ -78,8 +78,8 @@ def test_no_prompt_could_join_the_step_after_an_admission(source):
 
 
 def test_a_prompt_that_never_decodes_does_not_hold_the_next_one_back(source):
-    """One prompt of six tokens, then three of one token each (they end in their prefill
-    step): only the first is followed by a decode-only step."""
+    """One prompt that generates six tokens, then three that generate one each (they end in
+    their prefill step): only the first is followed by a decode-only step."""
     engine = _engine(source, True, False)
     engine.step_records = []
     engine.add_request("long", PROMPTS[0], GREEDY)
@@ -91,12 +91,28 @@ def test_a_prompt_that_never_decodes_does_not_hold_the_next_one_back(source):
     assert steps.startswith("PDPPP"), steps
 
 
+def test_a_compressed_prefix_counts_though_its_request_generates_one_token(source):
+    """After its prefix (250 tokens: the other prompt's 300 do not fit beside it) the rest of
+    the prompt is fed one token per step, as decode rows: the next prompt waits for a
+    decode-only step, as after any prompt that goes on to decode."""
+    engine = _engine(source, True, False)
+    engine.step_records = []
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    engine.add_request("prefix", PROMPTS[0], SamplingParams(max_tokens=1, compress_prefix_len=250))
+    engine.add_request("next", PROMPTS[1], one)
+    while engine.has_unfinished:
+        engine.step()
+    steps = "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+    assert steps.startswith("PDP"), steps
+
+
 def test_with_chunked_prefill_the_last_chunk_spaces_admissions(source):
     """Steps of 256 tokens: the step after a prompt's last chunk admits no new prompt (without
     spacing the third step would admit the third prompt beside the second's last chunk)."""
     engine = LLM(
         sparsity=SPARSITY, model_source=source, max_model_len=512, kv_cache_memory_gb=0.1,
         enable_chunked_prefill=True, max_num_batched_tokens=256, space_admissions=True,
+        async_scheduling=False,  # one step per call: the snapshots below frame exactly it
     ).engine  # fmt: skip
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)

@@ -4,7 +4,8 @@ admitted for it, up to max_num_batched_tokens prompt tokens. With chunked prefil
 does not fit what is left of a step goes in chunks over several steps. A prompt is admitted only
 when every layer group has room for it; when a group runs out during decode, the newest sequence
 is preempted and recomputed later. With space_admissions, while sequences decode, a step in which
-a prompt began to decode is followed by one that admits none (EngineConfig says why)."""
+a prompt ended its prefill (and goes on to decode) is followed by one that admits none
+(EngineConfig says why)."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         """The next step: a token for every running sequence that is done prefilling, the next
         chunks of the prompts being prefilled, and the new prompts that fit (none, with
-        space_admissions, right after a step in which a prompt began to decode).
+        space_admissions, right after a step in which a prompt ended its prefill and goes on to
+        decode).
 
         Decoding sequences ride along with the prefill in one forward pass, so a burst of
         arrivals never stops them. A step that had to preempt admits nothing: the cache is full,
@@ -107,7 +109,7 @@ class Scheduler:
         room in the step's tokens for the whole prompt, or with chunked prefill for a chunk.
         Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it.
         With space_admissions, while sequences decode, none joins the step after one in which
-        a prompt began to decode."""
+        a prompt ended its prefill and goes on to decode."""
         if len(self.running) + len(self.waiting) >= self.max_num_seqs:
             return False
         if not self._may_admit(any(not seq.is_prefilling for seq in self.running)):
@@ -123,7 +125,8 @@ class Scheduler:
 
     def _may_admit(self, decoding: bool) -> bool:
         """Whether the next step may admit prompts (`decoding`: it has decode rows): with
-        space_admissions, not right after a step in which a prompt began to decode."""
+        space_admissions, not right after a step in which a prompt ended its prefill and goes
+        on to decode."""
         return not (self.space_admissions and self._decoding_starts and decoding)
 
     def _admit_spaced(
@@ -131,11 +134,14 @@ class Scheduler:
     ) -> list[Sequence]:
         """The waiting prompts that join a step with `budget` prompt tokens left, beside the
         chunks of `prefilling`. Records whether a prompt begins to decode after this step: its
-        prefill ends in it, and it has more than that one token to generate."""
+        prefill ends in it, and it has more than that one token to generate or (after a
+        compressed prefix) tokens left to feed."""
         admitted = self._admit(budget) if budget > 0 and self._may_admit(decoding) else []
         self._decoding_starts = any(
             seq.num_computed_tokens + seq.num_scheduled_tokens >= seq.prefill_len
-            and seq.params.max_tokens > len(seq.output_token_ids) + 1
+            and (
+                seq.prefill_len < len(seq) or seq.params.max_tokens > len(seq.output_token_ids) + 1
+            )
             for seq in prefilling + admitted
         )
         return admitted
