@@ -23,30 +23,37 @@ def source() -> ModelSource:
     return load_model_source("smollm2-135m-instruct", {})
 
 
-def _engine(source: ModelSource, space_admissions: bool, async_scheduling: bool) -> LLMEngine:
+def _engine(
+    source: ModelSource, space_admissions: bool, async_scheduling: bool, **engine_args
+) -> LLMEngine:
+    engine_args = {"max_model_len": 512, "max_num_batched_tokens": 512, **engine_args}
     return LLM(
         sparsity=SPARSITY,
         model_source=source,
-        max_model_len=512,
-        max_num_batched_tokens=512,
         kv_cache_memory_gb=0.1,
         space_admissions=space_admissions,
         async_scheduling=async_scheduling,
+        **engine_args,
     ).engine
 
 
-def _burst(engine: LLMEngine, params: SamplingParams) -> tuple[dict, str]:
-    """Every prompt arrives before the first step; (last output per request, the steps as a
+def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]]):
+    """Every request arrives before the first step; (last output per request, the steps as a
     string: P for a step that prefilled, D for one that only decoded)."""
     engine.step_records = []
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt, params)
+    for request in requests:
+        engine.add_request(*request)
     last = {}
     while engine.has_unfinished:
         last.update((out.request_id, out) for out in engine.step())
     engine.check_invariants()
     assert all(g["used"] == 0 for g in engine.block_manager.usage().values())
     return last, "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+
+
+def _burst(engine: LLMEngine, params: SamplingParams) -> tuple[dict, str]:
+    """Every prompt of PROMPTS with the same params (see _run)."""
+    return _run(engine, [(str(i), prompt, params) for i, prompt in enumerate(PROMPTS)])
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -80,14 +87,10 @@ def test_no_prompt_could_join_the_step_after_an_admission(source):
 def test_a_prompt_that_never_decodes_does_not_hold_the_next_one_back(source):
     """One prompt that generates six tokens, then three that generate one each (they end in
     their prefill step): only the first is followed by a decode-only step."""
-    engine = _engine(source, True, False)
-    engine.step_records = []
-    engine.add_request("long", PROMPTS[0], GREEDY)
-    for i, prompt in enumerate(PROMPTS[1:]):
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-    while engine.has_unfinished:
-        engine.step()
-    steps = "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    requests = [("long", PROMPTS[0], GREEDY)]
+    requests += [(str(i), prompt, one) for i, prompt in enumerate(PROMPTS[1:])]
+    _, steps = _run(_engine(source, True, False), requests)
     assert steps.startswith("PDPPP"), steps
 
 
@@ -95,25 +98,19 @@ def test_a_compressed_prefix_counts_though_its_request_generates_one_token(sourc
     """After its prefix (250 tokens: the other prompt's 300 do not fit beside it) the rest of
     the prompt is fed one token per step, as decode rows: the next prompt waits for a
     decode-only step, as after any prompt that goes on to decode."""
-    engine = _engine(source, True, False)
-    engine.step_records = []
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    engine.add_request("prefix", PROMPTS[0], SamplingParams(max_tokens=1, compress_prefix_len=250))
-    engine.add_request("next", PROMPTS[1], one)
-    while engine.has_unfinished:
-        engine.step()
-    steps = "".join("P" if r.is_prefill else "D" for r in engine.step_records)
+    requests = [
+        ("prefix", PROMPTS[0], SamplingParams(max_tokens=1, compress_prefix_len=250)),
+        ("next", PROMPTS[1], SamplingParams(max_tokens=1, ignore_eos=True)),
+    ]
+    _, steps = _run(_engine(source, True, False), requests)
     assert steps.startswith("PDP"), steps
 
 
 def test_with_chunked_prefill_the_last_chunk_spaces_admissions(source):
     """Steps of 256 tokens: the step after a prompt's last chunk admits no new prompt (without
     spacing the third step would admit the third prompt beside the second's last chunk)."""
-    engine = LLM(
-        sparsity=SPARSITY, model_source=source, max_model_len=512, kv_cache_memory_gb=0.1,
-        enable_chunked_prefill=True, max_num_batched_tokens=256, space_admissions=True,
-        async_scheduling=False,  # one step per call: the snapshots below frame exactly it
-    ).engine  # fmt: skip
+    # Async scheduling off: one step per call, so the snapshots below frame exactly it.
+    engine = _engine(source, True, False, enable_chunked_prefill=True, max_num_batched_tokens=256)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, GREEDY)
     scheduler, ended_last_step, admissions, held_back = engine.scheduler, False, 0, 0
