@@ -76,9 +76,22 @@ def _paged(
 # --- prefill attention -----------------------------------------------------------------------
 
 
+@pytest.fixture(params=["tma", "pointers"])
+def key_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The prefill kernel reading keys and values through TMA descriptors, then by pointers
+    (what GPUs before Hopper run)."""
+    if request.param == "pointers":
+        monkeypatch.setattr(tk, "_tma_supported", lambda device: False)
+    elif not tk._tma_supported(torch.device(DEVICE)):
+        pytest.skip("this GPU has no TMA")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
-def test_prefill_attention_matches_reference(num_q: int, num_kv: int, dtype: torch.dtype) -> None:
+def test_prefill_attention_matches_reference(
+    num_q: int, num_kv: int, dtype: torch.dtype, key_loads: str
+) -> None:
     torch.manual_seed(num_q + 10 * num_kv)
     # Several packed sequences: odd lengths, one shorter than a tile, one spanning several tiles.
     q, k, v, cu = _packed([37, 5, 70, 1], num_q, num_kv, 32, dtype)
@@ -86,6 +99,23 @@ def test_prefill_attention_matches_reference(num_q: int, num_kv: int, dtype: tor
     ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=0.3)
     assert out.dtype == dtype and lse.dtype == torch.float32
     _close(out, ref_out, dtype)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_prefill_attention_on_views_of_fused_qkv(key_loads: str) -> None:
+    """As the model calls it: q, k and v are column slices of one [T, (Hq + 2 Hkv) * D]
+    projection, so every token's keys are a row apart from the next's."""
+    torch.manual_seed(4)
+    num_q, num_kv, head_dim, lens = 4, 2, 32, [23, 50]
+    qkv = _randn(sum(lens), (num_q + 2 * num_kv) * head_dim, dtype=torch.bfloat16)
+    q, k, v = (
+        x.view(-1, x.shape[1] // head_dim, head_dim)
+        for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=1)
+    )
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEVICE)
+    out, lse = tk.prefill_attention(q, k, v, cu, scale=0.2, max_seqlen=max(lens))
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=0.2)
+    _close(out, ref_out, torch.bfloat16)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
@@ -107,7 +137,7 @@ def _chunks(query_lens: list[int], key_lens: list[int], num_q: int, num_kv: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_attention_of_chunks_after_cached_keys(dtype: torch.dtype) -> None:
+def test_prefill_attention_of_chunks_after_cached_keys(dtype: torch.dtype, key_loads: str) -> None:
     """Chunks with earlier keys: offsets inside a key tile, past several tiles, none at all."""
     torch.manual_seed(3)
     query_lens, key_lens = [37, 5, 40, 1, 9], [50, 5, 113, 70, 9]

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import triton
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _binaries: dict[tuple, tuple[Any, tuple]] = {}
 _direct = True  # cleared if the compiled launcher rejects the call
@@ -37,6 +38,9 @@ def first_launch_seconds() -> float:
 def _arg_key(arg: object) -> object:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
+    if isinstance(arg, TensorDescriptor):  # compiled for its dtype and block shape
+        sizes = (*arg.shape, *arg.strides)
+        return _arg_key(arg.base), tuple(arg.block_shape), tuple(map(_arg_key, sizes))
     if type(arg) is int:
         return arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31
     return arg if arg is None or type(arg) is bool else type(arg)
