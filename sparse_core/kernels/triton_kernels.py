@@ -103,8 +103,9 @@ def _prefill_key_tiles(
         if TMA:
             # Rows past hi (the next prompt's keys, or zeros past the tensor: finite values) get
             # probability 0 below.
-            k = k_src.load([k_row0 + key_start, col])
-            v = v_src.load([k_row0 + key_start, col])
+            row = (k_row0 + key_start).to(tl.int32)  # TMA takes 32-bit coordinates
+            k = k_src.load([row, col])
+            v = v_src.load([row, col])
         else:
             k_ptrs = k_src + keys[:, None] * stride_kt + dims[None, :]
             v_ptrs = v_src + keys[:, None] * stride_vt + dims[None, :]
