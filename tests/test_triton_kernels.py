@@ -227,55 +227,6 @@ def test_paged_decode_reads_past_a_stale_bound(num_splits: int) -> None:
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2), torch.float32)
 
 
-def _slots_of_last_tokens(table: torch.Tensor, lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    last = lens.long() - 1
-    return (
-        table.long().gather(1, (last // block_size)[:, None])[:, 0] * block_size + last % block_size
-    )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_stores_and_attends_the_new_token(num_splits: int, dtype: torch.dtype) -> None:
-    """With `new_kv` the kernel writes the step's keys and values into the cache and attends to
-    them as the last token: the same cache and output as storing them first, then attending."""
-    torch.manual_seed(11 + num_splits)
-    # The second context is one token long (only the new one); splits cut the first and third.
-    k_cache, v_cache, table, lens = _paged([37, 1, 50], 2, 32, block_size=8, dtype=dtype)
-    q = _randn(3, 4, 32, dtype=dtype)
-    k_new, v_new = (_randn(3, 2, 32, dtype=dtype) for _ in range(2))
-    slots = _slots_of_last_tokens(table, lens, 8)
-    expected_k, expected_v = k_cache.clone(), v_cache.clone()
-    ref.store_kv(k_new, v_new, expected_k, expected_v, slots)
-    expected = ref.paged_decode_attention(q, expected_k, expected_v, table, lens, 0.2)
-
-    out = tk.paged_decode_attention(
-        q, k_cache, v_cache, table, lens, 0.2, num_splits=num_splits, new_kv=(k_new, v_new, slots)
-    )
-    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
-    _close(out, expected, dtype)
-
-
-def test_paged_decode_new_token_with_slot_minus_one_is_attended_not_stored() -> None:
-    """A padding row (slot -1) writes nothing; the reference and the kernel both attend to its
-    new token from `new_kv`."""
-    torch.manual_seed(12)
-    k_cache, v_cache, table, lens = _paged([20, 9], 2, 32, block_size=8, dtype=torch.float32)
-    q = _randn(2, 4, 32, dtype=torch.float32)
-    k_new, v_new = (_randn(2, 2, 32, dtype=torch.float32) for _ in range(2))
-    slots = torch.tensor([-1, -1], device=DEVICE)
-    caches = k_cache.clone(), v_cache.clone()
-    out = tk.paged_decode_attention(q, *caches, table, lens, 0.2, new_kv=(k_new, v_new, slots))
-    expected = ref.paged_decode_attention(
-        q, k_cache, v_cache, table, lens, 0.2, new_kv=(k_new, v_new, slots)
-    )
-    assert torch.equal(caches[0], k_cache) and torch.equal(caches[1], v_cache)
-    _close(out, expected, torch.float32)
-    # The new token counts: attending to the cache's stale last token gives another output.
-    stale = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
-    assert not torch.allclose(out, stale, atol=1e-3)
-
-
 # (prefill kernel, decode kernel, decode's extra arguments) of each kernel set with an `out`
 OUT_KERNELS = {
     "triton": (tk.prefill_attention, tk.paged_decode_attention, {"num_splits": 1}),

@@ -292,15 +292,12 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
-    block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the context,
-    including the step's own); `max_context_len`, a bound on context_lens, spares a host sync.
-    `out`: where to write the output (default: a new tensor). `new_kv` = (k, v, slot_mapping):
-    the step's keys and values [B, Hkv, D], the last token of each context, stored at
-    slot_mapping [B] first (slot -1 stores nothing; the token is attended to all the same).
+    block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the cache, including
+    the one written this step); `max_context_len`, a bound on context_lens, spares a host sync.
+    `out`: where to write the output (default: a new tensor).
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -310,11 +307,6 @@ def paged_decode_attention(
     # [B, num_blocks * block_size, Hkv, D]: each sequence's context, padded to max_len.
     keys = k_cache[tables].flatten(1, 2)[:, :max_len]
     values = v_cache[tables].flatten(1, 2)[:, :max_len]
-    if new_kv is not None:
-        k_new, v_new, slot_mapping = new_kv
-        store_kv(k_new, v_new, k_cache, v_cache, slot_mapping)
-        last = (torch.arange(batch, device=q.device), context_lens.long() - 1)
-        keys[last], values[last] = k_new.to(keys.dtype), v_new.to(values.dtype)
     group = num_q // num_kv
     qs = q.float().view(batch, num_kv, group, head_dim)
     logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float()) * scale

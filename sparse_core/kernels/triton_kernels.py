@@ -413,15 +413,8 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    k_new_ptr,
-    v_new_ptr,
-    slot_ptr,
     stride_qb,
     stride_qh,
-    stride_knb,
-    stride_knh,
-    stride_vnb,
-    stride_vnh,
     stride_kb,
     stride_kt,
     stride_kh,
@@ -438,12 +431,9 @@ def _paged_decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
-    NEW_KV: tl.constexpr,
 ):
     # One program = one sequence x one KV head x one split of its keys. All GROUP query heads of
     # the KV head ride in one [BLOCK_G, D] tile, so each K/V byte is read once per step.
-    # With NEW_KV the context's last token comes from k_new / v_new rather than the cache, and
-    # the program whose split holds it also stores it there: one launch instead of two.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -468,13 +458,9 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    last = context_len - 1
-    cached_hi = hi
-    if NEW_KV:
-        cached_hi = tl.minimum(hi, last)
-    for key_start in range(lo, cached_hi, BLOCK_N):
+    for key_start in range(lo, hi, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)
-        key_ok = keys < cached_hi
+        key_ok = keys < hi
         # Gather per token: a tile may span several pages, and any page size works.
         page = tl.load(table + keys // block_size, mask=key_ok, other=0).to(tl.int64)
         offset = keys % block_size
@@ -485,25 +471,6 @@ def _paged_decode_kernel(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))  # the tile's first key is always valid
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
-    if NEW_KV:  # noqa: SIM102 (a compile-time branch; Triton cannot `and` it with a tensor)
-        if (lo <= last) & (last < hi):
-            k_new = tl.load(k_new_ptr + seq * stride_knb + kv_head * stride_knh + dims)
-            v_new = tl.load(v_new_ptr + seq * stride_vnb + kv_head * stride_vnh + dims)
-            slot = tl.load(slot_ptr + seq)
-            if slot >= 0:
-                page, offset = slot // block_size, slot % block_size
-                k_row = page * stride_kb + offset * stride_kt + kv_head * stride_kh
-                v_row = page * stride_vb + offset * stride_vt + kv_head * stride_vh
-                tl.store(k_cache_ptr + k_row + dims, k_new.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + v_row + dims, v_new.to(v_cache_ptr.dtype.element_ty))
-            # One key: a dot product per query head instead of a tile.
-            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale_log2
-            m_new = tl.maximum(m_i, s_new)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s_new - m_new)
-            l_i = l_i * alpha + p
-            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
-            m_i = m_new
 
     # An empty split (or context_len 0) leaves l_i = 0: write out 0 and LSE -inf, never NaN.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -603,7 +570,6 @@ def paged_decode_attention(
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
@@ -611,8 +577,6 @@ def paged_decode_attention(
     bound is enough) only chooses the number of splits, without a device-to-host sync, so the
     launch can be captured in a CUDA graph; every split count reads each whole context. `out`:
     where to write the output (default: a new tensor; its head dim must be contiguous).
-    `new_kv` = (k, v, slot_mapping): the step's keys and values, stored and attended to in the
-    same launch, as in `reference.paged_decode_attention`.
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -638,23 +602,16 @@ def paged_decode_attention(
         part_lse = torch.empty(batch, num_q, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused when SPLIT is off
-    if new_kv is None:
-        k_new, v_new, slots = q, q, context_lens  # unused when NEW_KV is off
-    else:
-        k_new, v_new, slots = new_kv
-        assert k_new.stride(-1) == v_new.stride(-1) == 1 and slots.is_contiguous()
     launch(
         _paged_decode_kernel, (batch, num_kv, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_new, v_new, slots,
         q.stride(0), q.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, block_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
-        HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, NEW_KV=new_kv is not None,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split,
         **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
     if split:

@@ -160,6 +160,7 @@ class PagedAttention(nn.Module):
         group: DecodeGroupMetadata,
         out: torch.Tensor,
     ) -> None:
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
         self.ops.paged_decode_attention(
             q,
             self.k_cache,
@@ -169,7 +170,6 @@ class PagedAttention(nn.Module):
             self.scale,
             group.max_context_len,
             out=out,
-            new_kv=(k, v, group.slot_mapping),
         )
 
     def _prefill(
