@@ -213,7 +213,7 @@ def _prefill_tiles(q: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     tiles with 8 warps and 3 stages: 0.307 ms, 427 TFLOP/s, against 0.323 ms in 128x64 tiles.
     Read by pointers, 128x64 tiles with 8 warps and 3 stages were the fastest of nine shapes
     (0.345 ms, 380 TFLOP/s; 64x64 0.35 ms, 128x64 with 4 warps 0.58 ms); 128x128 with 4 stages
-    exceeds shared memory. D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny
+    exceeds shared memory, as does 128x128 in float32. D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny
     tests cross tile boundaries.
     """
     head_dim = q.shape[-1]
@@ -222,7 +222,8 @@ def _prefill_tiles(q: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
-        return (128, 128, 8, 3) if tma else (128, 64, 8, 3)
+        # 128-key tiles of 4-byte elements exceed shared memory.
+        return (128, 128, 8, 3) if tma and q.element_size() <= 2 else (128, 64, 8, 3)
     return 64, 32, 4, 2
 
 
