@@ -14,6 +14,8 @@ interpreter gets small tiles so that tiny test shapes still cross tile boundarie
 engine should use `reference.py`, which is far faster than the interpreter.
 
 Tile sizes were chosen by timing on an H200 (Triton 3.6); `sparse_core.bench.kernels` re-measures.
+On Hopper and later GPUs prefill attention reads keys and values through TMA tensor descriptors;
+elsewhere, and for tensors TMA cannot address, by pointers (the tests run both).
 """
 
 from __future__ import annotations
@@ -213,7 +215,7 @@ def _prefill_tiles(q: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     tiles with 8 warps and 3 stages: 0.307 ms, 427 TFLOP/s, against 0.323 ms in 128x64 tiles.
     Read by pointers, 128x64 tiles with 8 warps and 3 stages were the fastest of nine shapes
     (0.345 ms, 380 TFLOP/s; 64x64 0.35 ms, 128x64 with 4 warps 0.58 ms); 128x128 with 4 stages
-    exceeds shared memory, as does 128x128 in float32. D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny
+    exceeds shared memory. D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny
     tests cross tile boundaries.
     """
     head_dim = q.shape[-1]
