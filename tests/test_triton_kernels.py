@@ -76,15 +76,41 @@ def _paged(
 # --- prefill attention -----------------------------------------------------------------------
 
 
+class _CountedDescriptors:
+    """Stands in for TensorDescriptor in the kernel module, counting the descriptors made."""
+
+    def __init__(self) -> None:
+        self.made = 0
+
+    def from_tensor(self, *args, **kwargs):
+        self.made += 1
+        return _TENSOR_DESCRIPTOR.from_tensor(*args, **kwargs)
+
+
+_TENSOR_DESCRIPTOR = tk.TensorDescriptor
+
+
+@pytest.fixture
+def descriptors(monkeypatch: pytest.MonkeyPatch) -> _CountedDescriptors:
+    counted = _CountedDescriptors()
+    monkeypatch.setattr(tk, "TensorDescriptor", counted)
+    return counted
+
+
 @pytest.fixture(params=["tma", "pointers"])
-def key_loads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The prefill kernel reading keys and values through TMA descriptors, then by pointers
-    (what GPUs before Hopper run)."""
+def key_loads(
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    descriptors: _CountedDescriptors,
+):
+    """The prefill kernel reading keys and values through TMA descriptors (checked to be made),
+    then by pointers (what GPUs before Hopper run)."""
     if request.param == "pointers":
         monkeypatch.setattr(tk, "_tma_supported", lambda device: False)
     elif not tk._tma_supported(torch.device(DEVICE)):
         pytest.skip("this GPU has no TMA")
-    return request.param
+    yield request.param
+    assert (descriptors.made > 0) == (request.param == "tma")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -112,15 +138,43 @@ def test_prefill_attention_on_views_of_fused_qkv(key_loads: str) -> None:
         x.view(-1, x.shape[1] // head_dim, head_dim)
         for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], dim=1)
     )
-    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEVICE)
+    # int64 offsets, as the engine passes them (TMA takes 32-bit coordinates).
+    cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int64, device=DEVICE)
     out, lse = tk.prefill_attention(q, k, v, cu, scale=0.2, max_seqlen=max(lens))
     ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=0.2)
     _close(out, ref_out, torch.bfloat16)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the next prompt's
+def test_prefill_attention_keeps_a_prompt_clear_of_the_next_ones_values(key_loads: str) -> None:
+    """Key tiles that run past a prompt's end read the next prompt's rows under TMA: an Inf or
+    NaN among its values must not reach this prompt's output."""
+    torch.manual_seed(5)
+    q, k, v, cu = _packed([37, 20], 4, 2, 32, torch.float32)
+    v[37:40] = float("inf")
+    v[40] = float("nan")
+    out, _ = tk.prefill_attention(q, k, v, cu, scale=0.3)
+    _close(out[:37], ref.prefill_attention(q[:37], k[:37], v[:37], cu[:2], 0.3)[0], torch.float32)
+
+
+def test_prefill_attention_falls_back_to_pointers_where_tma_cannot_address(
+    descriptors: _CountedDescriptors,
+) -> None:
+    """Rows 4 * 33 = 132 bytes apart are not 16-byte aligned: no descriptor, the same result."""
+    torch.manual_seed(6)
+    q, k, v, cu = _packed([30, 9], 2, 1, 32, torch.float32)
+    k_padded, v_padded = (torch.zeros(x.shape[0], 1, 33, device=DEVICE) for x in (k, v))
+    k_padded[..., :32], v_padded[..., :32] = k, v
+    out, lse = tk.prefill_attention(q, k_padded[..., :32], v_padded[..., :32], cu, scale=0.3)
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu, scale=0.3)
+    assert descriptors.made == 0
+    _close(out, ref_out, torch.float32)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-def test_prefill_attention_head_dims(head_dim: int) -> None:
+def test_prefill_attention_head_dims(head_dim: int, key_loads: str) -> None:
     torch.manual_seed(head_dim)
     q, k, v, cu = _packed([19, 40], 4, 2, head_dim, torch.float32)
     out, lse = tk.prefill_attention(q, k, v, cu, scale=head_dim**-0.5, max_seqlen=40)

@@ -4,9 +4,10 @@ On every call Triton's JIT binds and specialises each argument, builds a cache-k
 checks the kernel's globals before its compiled launcher runs: 25-40 µs of host time per launch on
 an H200 host, against ~8 µs for the launcher alone. An eager step launches hundreds of kernels.
 `launch` keeps each kernel's compiled binaries under a key of the device and of what Triton
-specialises them on (each tensor's dtype and 16-byte alignment; each integer's equality to 1,
-divisibility by 16 and 32-bit range; the keyword arguments: constexprs and launch options) and calls the binary's
-launcher directly. A call with a new key goes through Triton, which compiles or finds the binary.
+specialises them on (each tensor's dtype and 16-byte alignment; each tensor descriptor's dtype
+and block shape; each integer's equality to 1, divisibility by 16 and 32-bit range; the keyword
+arguments: constexprs and launch options) and calls the binary's launcher directly. A call with
+a new key goes through Triton, which compiles or finds the binary.
 
 Under the interpreter, with Triton's launch hooks set (its profiler), or if the launcher does not
 take the arguments this Triton version was seen to take, every call goes through Triton.
@@ -38,9 +39,8 @@ def first_launch_seconds() -> float:
 def _arg_key(arg: object) -> object:
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() & 15 == 0
-    if isinstance(arg, TensorDescriptor):  # compiled for its dtype and block shape
-        sizes = (*arg.shape, *arg.strides)
-        return _arg_key(arg.base), tuple(arg.block_shape), tuple(map(_arg_key, sizes))
+    if isinstance(arg, TensorDescriptor):  # Triton compiles for its dtype and block shape only
+        return arg.base.dtype, tuple(arg.block_shape)
     if type(arg) is int:
         return arg == 1, arg & 15 == 0, -(2**31) <= arg < 2**31
     return arg if arg is None or type(arg) is bool else type(arg)

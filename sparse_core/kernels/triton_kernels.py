@@ -14,8 +14,9 @@ interpreter gets small tiles so that tiny test shapes still cross tile boundarie
 engine should use `reference.py`, which is far faster than the interpreter.
 
 Tile sizes were chosen by timing on an H200 (Triton 3.6); `sparse_core.bench.kernels` re-measures.
-On Hopper and later GPUs prefill attention reads keys and values through TMA tensor descriptors;
-elsewhere, and for tensors TMA cannot address, by pointers (the tests run both).
+Prefill attention reads keys and values through TMA tensor descriptors on NVIDIA GPUs from
+Hopper on (and under the interpreter); on older GPUs, and for tensors TMA cannot address, by
+pointers. The tests run both.
 """
 
 from __future__ import annotations
@@ -103,11 +104,14 @@ def _prefill_key_tiles(
         keys = key_start + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
         if TMA:
-            # Rows past hi (the next prompt's keys, or zeros past the tensor: finite values) get
-            # probability 0 below.
+            # A tile may run past hi into the next prompt's rows (or zeros past the tensor): their
+            # logits are masked below, and their values zeroed, so that an Inf or NaN there
+            # cannot reach this prompt through 0 * v.
             row = (k_row0 + key_start).to(tl.int32)  # TMA takes 32-bit coordinates
             k = k_src.load([row, col])
             v = v_src.load([row, col])
+            if CAUSAL_MASK:
+                v = tl.where(key_ok[:, None], v, 0.0)
         else:
             k_ptrs = k_src + keys[:, None] * stride_kt + dims[None, :]
             v_ptrs = v_src + keys[:, None] * stride_vt + dims[None, :]
@@ -208,30 +212,34 @@ def _prefill_kernel(
     tl.store(lse_ptr + head * stride_lh + start + rows, lse, mask=row_ok)
 
 
-def _prefill_tiles(q: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
+def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
 
     At D=128 on an H200 (4000 tokens), keys and values read through TMA run fastest in 128x128
     tiles with 8 warps and 3 stages: 0.307 ms, 427 TFLOP/s, against 0.323 ms in 128x64 tiles.
-    Read by pointers, 128x64 tiles with 8 warps and 3 stages were the fastest of nine shapes
-    (0.345 ms, 380 TFLOP/s; 64x64 0.35 ms, 128x64 with 4 warps 0.58 ms); 128x128 with 4 stages
-    exceeds shared memory. D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny
-    tests cross tile boundaries.
+    Those need the shared memory of a data-centre GPU (sm_90, sm_100: 227 KB a block, not the
+    ~100 KB of sm_120) and 2-byte elements. Read by pointers, 128x64 tiles with 8 warps and 3
+    stages were the fastest of nine shapes (0.345 ms, 380 TFLOP/s; 64x64 0.35 ms, 128x64 with 4
+    warps 0.58 ms; 128x128 with 4 stages does not fit). D=256 halves both tiles to fit. The
+    interpreter gets 32x16 so tiny tests cross tile boundaries.
     """
-    head_dim = q.shape[-1]
-    if not q.is_cuda:
+    head_dim = k.shape[-1]
+    if not k.is_cuda:
         return 32, 16, 4, 1
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
-        # 128-key tiles of 4-byte elements exceed shared memory.
-        return (128, 128, 8, 3) if tma and q.element_size() <= 2 else (128, 64, 8, 3)
+        large_smem = torch.cuda.get_device_capability(k.device)[0] in (9, 10)
+        return (128, 128, 8, 3) if tma and large_smem and k.element_size() <= 2 else (128, 64, 8, 3)
     return 64, 32, 4, 2
 
 
 def _tma_supported(device: torch.device) -> bool:
-    """Tensor memory accelerator loads: Hopper and later GPUs, and the interpreter (CPU)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+    """Tensor memory accelerator loads: NVIDIA GPUs from Hopper on, and the interpreter (CPU),
+    which runs the same kernel."""
+    if device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -277,7 +285,7 @@ def prefill_attention(
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     k_rows, v_rows = _as_rows(k), _as_rows(v)
     tma = _tma_supported(q.device) and k_rows is not None and v_rows is not None
-    block_m, block_n, num_warps, num_stages = _prefill_tiles(q, tma)
+    block_m, block_n, num_warps, num_stages = _prefill_tiles(k, tma)
     k_src, v_src = k, v
     if tma:
         k_src, v_src = (
