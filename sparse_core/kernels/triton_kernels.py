@@ -21,6 +21,7 @@ pointers. The tests run both.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -212,6 +213,13 @@ def _prefill_kernel(
     tl.store(lse_ptr + head * stride_lh + start + rows, lse, mask=row_ok)
 
 
+@functools.cache
+def _gpu(device: torch.device):
+    """The GPU's properties (compute capability, SM count), looked up once per device: the
+    kernels' host wrappers ask on every call, and an eager step makes hundreds."""
+    return torch.cuda.get_device_properties(device)
+
+
 def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
 
@@ -232,7 +240,7 @@ def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
-        large_smem = torch.cuda.get_device_capability(k.device)[0] in (9, 10)
+        large_smem = _gpu(k.device).major in (9, 10)
         if tma and not wide_tma and large_smem:
             return 128, 128, 8, 3
         return 128, 64, 8, 2 if wide_tma else 3
@@ -244,7 +252,7 @@ def _tma_supported(device: torch.device) -> bool:
     which runs the same kernel."""
     if device.type != "cuda":
         return True
-    return torch.version.hip is None and torch.cuda.get_device_capability(device) >= (9, 0)
+    return torch.version.hip is None and _gpu(device).major >= 9
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -549,7 +557,7 @@ _MAX_SPLITS = 64
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: any small number exercises the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _gpu(device).multi_processor_count
 
 
 def decode_num_splits(
