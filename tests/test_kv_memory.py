@@ -8,7 +8,7 @@ import torch
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.cache.block_manager import cdiv
-from sparse_core.models.llama import rope_inv_freq
+from sparse_core.models.rotary import rope_inv_freq
 
 # A 32-layer model with the KV-head layout of Llama-3 scaled down (block accounting depends only
 # on the layer count and the per-token KV size, not on the hidden size).

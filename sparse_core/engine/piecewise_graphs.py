@@ -2,12 +2,12 @@
 
 A step that prefills cannot be captured whole: its attention depends on how many prompts it
 holds, their lengths, the chunks cached before them and which layer groups compress them. What
-lies between two attentions (o_proj, the norms, the MLP, the next layer's qkv projection and
-RoPE) depends only on the step's token count, and it is most of an eager step's launches: on an
+lies between two attentions (o_proj, the norms, the MLP, the next layer's qkv projection)
+depends only on the step's token count, and it is most of an eager step's launches: on an
 H200 host an eager step of a 32-layer model took 20-40 ms to launch, more than the device time of
 a 1,024-token chunk. So each token-count bucket gets one graph per stretch between attentions
-(layers + 1 of them); attention runs eagerly between their replays, reading q, k, v from and
-writing its output to static buffers. The pieces never touch the KV cache.
+(layers + 1 of them); attention (RoPE, storing the keys and values, attending) runs eagerly
+between their replays, reading q, k, v from and writing its output to static buffers. The pieces never touch the KV cache.
 
 A step runs in the smallest bucket that holds its tokens; the padding rows compute on stale
 inputs and nothing reads them (every op between attentions works row by row).
@@ -44,7 +44,6 @@ class PiecewiseGraphs:
         m = self.buckets[-1]
         # Zeroed once: a padding row then only ever holds finite values.
         self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(m, dtype=torch.int64, device=device)
         self.qkv = torch.zeros(m, sum(attention.split), dtype=dtype, device=device)
         self.residual = torch.zeros(m, hidden, dtype=dtype, device=device)
         self.attn_out = torch.zeros(m, attention.split[0], dtype=dtype, device=device)
@@ -60,7 +59,6 @@ class PiecewiseGraphs:
         rows = slice(0, tokens)
         out, residual = self.model.piece(
             piece,
-            self.positions[rows],
             input_ids=self.input_ids[rows],
             attn_out=self.attn_out[rows],
             residual=self.residual[rows],
@@ -80,7 +78,6 @@ class PiecewiseGraphs:
         tokens = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= tokens)
         self.input_ids[:tokens].copy_(input_ids)
-        self.positions[:tokens].copy_(positions)
         graphs = self.graphs.get(bucket)
         layers = self.model.model.layers
         for piece in range(self.model.num_pieces):
@@ -89,7 +86,7 @@ class PiecewiseGraphs:
             else:
                 self.run_piece(piece, bucket)
             if piece < len(layers):
-                attn_out = layers[piece].self_attn.attend(self.qkv[:tokens], meta)
+                attn_out = layers[piece].self_attn.attend(positions, self.qkv[:tokens], meta)
                 self.attn_out[:tokens].copy_(attn_out)
         return self.hidden[:tokens]
 

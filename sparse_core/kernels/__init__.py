@@ -29,7 +29,7 @@ class KernelOps:
     paged_decode_attention: Callable
     rms_norm: Callable
     silu_and_mul: Callable
-    apply_rotary_: Callable
+    rotate_and_store_kv: Callable
 
 
 def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None, out=None):
@@ -47,7 +47,7 @@ REFERENCE_OPS = KernelOps(
     paged_decode_attention=reference.paged_decode_attention,
     rms_norm=reference.rms_norm,
     silu_and_mul=reference.silu_and_mul,
-    apply_rotary_=reference.apply_rotary_,
+    rotate_and_store_kv=reference.rotate_and_store_kv,
 )
 
 
@@ -66,7 +66,7 @@ def _triton_ops() -> KernelOps:
         paged_decode_attention=tk.paged_decode_attention,
         rms_norm=tf.rms_norm,
         silu_and_mul=tf.silu_and_mul,
-        apply_rotary_=tf.apply_rotary_,
+        rotate_and_store_kv=tf.rotate_and_store_kv,
     )
 
 

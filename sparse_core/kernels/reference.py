@@ -339,11 +339,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary_(
-    qk: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:
-    """Rotate, in place, the heads side by side in qk [T, H * head_dim] by their tokens'
-    positions (the rotate-half convention of HF Llama); cos/sin [max_pos, head_dim / 2]."""
-    x = qk.view(qk.shape[0], -1, head_dim)
+    """Rotate, in place, the heads of x [T, H, D] by their tokens' positions (the rotate-half
+    convention of HF Llama); cos/sin [max_pos, D / 2]."""
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     x1, x2 = x.float().chunk(2, dim=-1)
     x.copy_(torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1))
+
+
+def rotate_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """RoPE applied in place to q [T, Hq, D] and k [T, Hkv, D], then k and v [T, Hkv, D]
+    written into the paged caches at `slot_mapping` [T] (slot -1 is skipped)."""
+    apply_rotary_(q, positions, cos, sin)
+    apply_rotary_(k, positions, cos, sin)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -9,6 +9,7 @@ from torch import nn
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
+from sparse_core.models.rotary import RotaryEmbedding
 from sparse_core.policy import PromptBatch, select_kept_tokens
 
 
@@ -120,10 +121,12 @@ class PagedAttention(nn.Module):
         budget: int | None,
         sparsity: SparsityConfig,
         ops: KernelOps,
+        rotary: RotaryEmbedding,
         kv_heads: tuple[int, int] | None = None,
     ) -> None:
-        """num_heads / num_kv_heads: this rank's heads; kv_heads: (first, total) of its KV heads
-        among the model's, under tensor parallelism."""
+        """num_heads / num_kv_heads: this rank's heads; rotary: the model's RoPE tables, applied
+        to q and k as they are stored; kv_heads: (first, total) of its KV heads among the
+        model's, under tensor parallelism."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -133,34 +136,57 @@ class PagedAttention(nn.Module):
         self.budget = budget
         self.sparsity = sparsity
         self.ops = ops
+        self.rotary = rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.generator: torch.Generator | None = None  # the `random` policy's draws
         self.kv_heads = kv_heads
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: StepMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        meta: StepMetadata,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] -> [T, Hq, D]."""
+        """q [T, Hq, D], k and v [T, Hkv, D] before RoPE (q and k are rotated in place),
+        positions [T] -> [T, Hq, D]."""
         assert meta.prefill is not None or meta.decode is not None, "a step with no rows"
         out = torch.empty_like(q)
         n = 0  # the prompts' rows come first
         if meta.prefill is not None:
             n = meta.prefill.num_tokens
-            self._prefill(q[:n], k[:n], v[:n], meta.prefill, out[:n])
+            self._prefill(q[:n], k[:n], v[:n], positions[:n], meta.prefill, out[:n])
         if meta.decode is not None:
-            self._decode(q[n:], k[n:], v[n:], meta.decode.groups[self.group], out[n:])
+            group = meta.decode.groups[self.group]
+            self._decode(q[n:], k[n:], v[n:], positions[n:], group, out[n:])
         return out
+
+    def _rotate_and_store(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """RoPE on q and k in place; k and v into this layer's cache (slot -1 is skipped)."""
+        cos, sin = self.rotary.cos, self.rotary.sin
+        self.ops.rotate_and_store_kv(
+            q, k, v, positions, cos, sin, self.k_cache, self.v_cache, slot_mapping
+        )
 
     def _decode(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        positions: torch.Tensor,
         group: DecodeGroupMetadata,
         out: torch.Tensor,
     ) -> None:
-        self.ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+        self._rotate_and_store(q, k, v, positions, group.slot_mapping)
         self.ops.paged_decode_attention(
             q,
             self.k_cache,
@@ -177,16 +203,17 @@ class PagedAttention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        positions: torch.Tensor,
         meta: PrefillMetadata,
         out: torch.Tensor,
     ) -> None:
-        """Causal attention within each prompt (over its cached chunks too), written to `out`;
-        every token's K/V is stored, except in a group that compresses the prompt in this step:
-        there only the selected tokens are written (over the cached chunks, which held the whole
-        prompt)."""
+        """RoPE on q and k, then causal attention within each prompt (over its cached chunks
+        too), written to `out`; every token's K/V is stored, except in a group that compresses
+        the prompt in this step: there only the selected tokens are written (over the cached
+        chunks, which held the whole prompt)."""
         group = meta.groups[self.group]
         ops = self.ops
-        ops.store_kv(k, v, self.k_cache, self.v_cache, group.slot_mapping)
+        self._rotate_and_store(q, k, v, positions, group.slot_mapping)
         cu_seqlens_k = None
         if meta.context is not None:
             k, v = meta.context.pack(ops, k, v, self.k_cache, self.v_cache, group.cached_slots)

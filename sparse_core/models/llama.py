@@ -9,7 +9,6 @@ keeps the rank's part.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -27,6 +26,7 @@ from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
 from sparse_core.kernels import KernelOps
 from sparse_core.models.attention import PagedAttention, StepMetadata
 from sparse_core.models.config import ModelConfig
+from sparse_core.models.rotary import RotaryEmbedding
 from sparse_core.policy import LayerPlan
 
 
@@ -46,49 +46,8 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "llama3":
-        # Llama 3.1's frequency-dependent scaling: long wavelengths are divided by `factor`, short
-        # ones kept, and the band in between interpolated.
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    elif kind == "linear":
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind != "default":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}")
-    return inv_freq.float()
-
-
-class RotaryEmbedding(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, ops: KernelOps) -> None:
-        super().__init__()
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, rope_inv_freq(config))
-        # Rounded to the model's dtype (the default dtype while it is built), in which Hugging
-        # Face and vLLM apply them too, and kept in float32 for the kernels.
-        dtype = torch.get_default_dtype()
-        self.register_buffer("cos", freqs.cos().to(dtype).float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype).float(), persistent=False)
-        self.head_dim = config.head_dim
-        self.ops = ops
-
-    def apply_(self, positions: torch.Tensor, qk: torch.Tensor) -> None:
-        """Rotate in place the q and k heads laid side by side in qk [T, (Hq + Hkv) * D]."""
-        self.ops.apply_rotary_(qk, positions, self.cos, self.sin, self.head_dim)
-
-
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn: PagedAttention, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         # This rank's heads (all of them without tensor parallelism).
         self.num_heads = attn.num_heads
@@ -103,22 +62,22 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False)
         self.attn = attn
-        self.rotary = rotary
 
-    def project(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], RoPE applied to the q and k heads."""
-        qkv = self.qkv_proj(x)
-        q_size, kv_size, _ = self.split
-        self.rotary.apply_(positions, qkv[:, : q_size + kv_size])
-        return qkv
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], before RoPE (`attend` applies it)."""
+        return self.qkv_proj(x)
 
-    def attend(self, qkv: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj)."""
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); RoPE is
+        applied to q and k in place as the keys and values are stored."""
         q, k, v = qkv.split(self.split, dim=-1)
         out = self.attn(
             q.view(-1, self.num_heads, self.head_dim),
             k.view(-1, self.num_kv_heads, self.head_dim),
             v.view(-1, self.num_kv_heads, self.head_dim),
+            positions,
             meta,
         )
         return out.flatten(1)
@@ -152,11 +111,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, config: ModelConfig, attn: PagedAttention, rotary: RotaryEmbedding, ops: KernelOps
-    ) -> None:
+    def __init__(self, config: ModelConfig, attn: PagedAttention, ops: KernelOps) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attn, rotary)
+        self.self_attn = LlamaAttention(config, attn)
         self.mlp = LlamaMLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -167,11 +124,11 @@ class LlamaDecoderLayer(nn.Module):
     # happens inside the fused norm.
 
     def attention_input(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+        self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(qkv with RoPE applied, residual stream)."""
+        """(qkv, residual stream)."""
         h, residual = self.input_layernorm(x, residual)
-        return self.self_attn.project(positions, h), residual
+        return self.self_attn.project(h), residual
 
     def after_attention(
         self, attn_out: torch.Tensor, residual: torch.Tensor
@@ -186,13 +143,13 @@ class LlamaModel(nn.Module):
         self,
         config: ModelConfig,
         attns: list[PagedAttention],
-        max_positions: int,
+        rotary: RotaryEmbedding,
         ops: KernelOps,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary = RotaryEmbedding(config, max_positions, ops)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, self.rotary, ops) for a in attns)
+        self.rotary = rotary  # shared with the attention layers, which apply it
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, ops) for a in attns)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
@@ -209,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         tp_size = get_tp_size()
         local_kv = config.num_key_value_heads // tp_size
+        rotary = RotaryEmbedding(config, max_positions)
         attns = [
             PagedAttention(
                 config.num_attention_heads // tp_size,
@@ -218,11 +176,12 @@ class LlamaForCausalLM(nn.Module):
                 budget=plan.groups[plan.layer_to_group[i]].budget,
                 sparsity=sparsity,
                 ops=ops,
+                rotary=rotary,
                 kv_heads=(get_tp_rank() * local_kv, config.num_key_value_heads),
             )
             for i in range(config.num_hidden_layers)
         ]
-        self.model = LlamaModel(config, attns, max_positions, ops)
+        self.model = LlamaModel(config, attns, rotary, ops)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -239,7 +198,6 @@ class LlamaForCausalLM(nn.Module):
     def piece(
         self,
         index: int,
-        positions: torch.Tensor,
         input_ids: torch.Tensor | None = None,
         attn_out: torch.Tensor | None = None,
         residual: torch.Tensor | None = None,
@@ -255,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layers[index - 1].after_attention(attn_out, residual)
         if index == len(layers):
             return self.model.norm(x, residual)[0], None
-        return layers[index].attention_input(positions, x, residual)
+        return layers[index].attention_input(x, residual)
 
     def forward(
         self,
@@ -269,13 +227,13 @@ class LlamaForCausalLM(nn.Module):
         follows it (o_proj, the MLP, the final norm) runs on those rows alone. For a
         4,000-token prompt that leaves out about 1/36 of Llama-3-8B's matmuls, with the same
         result."""
-        out, residual = self.piece(0, positions, input_ids=input_ids)
+        out, residual = self.piece(0, input_ids=input_ids)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            attn_out = layer.self_attn.attend(out, meta)  # out: this layer's qkv
+            attn_out = layer.self_attn.attend(positions, out, meta)  # out: this layer's qkv
             if i == last and rows is not None:
                 attn_out, residual = attn_out[rows], residual[rows]
-            out, residual = self.piece(i + 1, positions, attn_out=attn_out, residual=residual)
+            out, residual = self.piece(i + 1, attn_out=attn_out, residual=residual)
         return out  # the last piece's: the final hidden states
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
