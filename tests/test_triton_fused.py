@@ -59,8 +59,11 @@ def test_rotate_and_store_kv_on_qkv_views(dtype, num_q, num_kv, head_dim):
     def run(rotate_and_store_kv):
         x = qkv.clone()
         q, k, v = (t.view(tokens, -1, head_dim) for t in x.split(sizes, dim=-1))
-        shape = (num_blocks, block_size, num_kv, head_dim)
-        caches = [torch.full(shape, 7.0, device=DEVICE).to(dtype) for _ in range(2)]
+        # The K cache plain, the V cache a strided view (K and V side by side per head, as the
+        # vLLM plugin lays them out): strides of one mistaken for the other's show.
+        k_cache = torch.full((num_blocks, block_size, num_kv, head_dim), 7.0, device=DEVICE)
+        kv = torch.full((num_blocks, block_size, num_kv, 2 * head_dim), 7.0, device=DEVICE)
+        caches = [k_cache.to(dtype), kv.to(dtype)[..., head_dim:]]
         rotate_and_store_kv(q, k, v, positions, cos, sin, *caches, slots)
         return x, caches
 

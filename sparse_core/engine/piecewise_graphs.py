@@ -6,8 +6,9 @@ lies between two attentions (o_proj, the norms, the MLP, the next layer's qkv pr
 depends only on the step's token count, and it is most of an eager step's launches: on an
 H200 host an eager step of a 32-layer model took 20-40 ms to launch, more than the device time of
 a 1,024-token chunk. So each token-count bucket gets one graph per stretch between attentions
-(layers + 1 of them); attention (RoPE, storing the keys and values, attending) runs eagerly
-between their replays, reading q, k, v from and writing its output to static buffers. The pieces never touch the KV cache.
+(layers + 1 of them); attention runs eagerly between their replays: it rotates q and k (RoPE) in
+place in the static qkv buffer, stores the keys and values, and writes its output to another
+static buffer. The pieces never touch the KV cache.
 
 A step runs in the smallest bucket that holds its tokens; the padding rows compute on stale
 inputs and nothing reads them (every op between attentions works row by row).

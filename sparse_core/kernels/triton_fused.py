@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sparse_core.kernels.launcher import launch
+from sparse_core.kernels.triton_kernels import check_head_dim
 
 if triton.knobs.runtime.interpret:
     from sparse_core.kernels.triton_interpreter import apply_interpreter_fixes
@@ -106,7 +107,7 @@ def _rotate_and_store_kernel(
     num_q_heads, num_kv_heads, block_size,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
 ):  # fmt: skip
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     dims = tl.arange(0, HALF)
     pos = tl.load(pos_ptr + token)
     cos = tl.load(cos_ptr + pos * stride_c + dims)[None, :]
@@ -118,7 +119,7 @@ def _rotate_and_store_kernel(
     kv_mask = kv_heads < num_kv_heads
     k_base = k_ptr + token * stride_kt + kv_heads * stride_kh + dims[None, :]
     k1, k2 = _rotate_heads(k_base, cos, sin, kv_mask, HALF)
-    slot = tl.load(slots_ptr + token)
+    slot = tl.load(slots_ptr + token).to(tl.int64)  # a cache can pass 2**31 elements
     if slot >= 0:
         page, offset = slot // block_size, slot % block_size
         k_row = page * stride_kcb + offset * stride_kct + kv_heads * stride_kch
@@ -149,9 +150,16 @@ def rotate_and_store_kv(
     `slot_mapping` [T] (-1 skips): one launch where a rotation and a store took two."""
     tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
+    check_head_dim(head_dim)
+    assert k.shape == v.shape == (tokens, num_kv, head_dim) and q.dtype == k.dtype
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv, head_dim)
+    assert positions.shape == slot_mapping.shape == (tokens,)
+    assert (
+        cos.shape == sin.shape and cos.shape[-1] == head_dim // 2 and cos.stride() == sin.stride()
+    )
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and slot_mapping.is_contiguous()
-    assert positions.is_contiguous() and cos.stride(-1) == sin.stride(-1) == 1
+    assert positions.is_contiguous() and cos.stride(-1) == 1
     if tokens == 0:
         return
     launch(

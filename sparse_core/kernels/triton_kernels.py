@@ -40,7 +40,7 @@ if triton.knobs.runtime.interpret:
 LOG2E = math.log2(math.e)  # host side; inside kernels the constants are written out
 
 
-def _check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
 
@@ -283,7 +283,7 @@ def prefill_attention(
     """
     num_tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
     cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
@@ -398,7 +398,7 @@ def window_scores(
         raise ValueError(f"unknown gqa_reduce {gqa_reduce!r}; expected 'mean' or 'max'")
     window, num_q, head_dim = q_win.shape
     n, num_kv = k.shape[0], k.shape[1]
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     assert q_win.stride(-1) == k.stride(-1) == 1, "head dim must be contiguous"
     num_scored = n - window
     out = torch.empty(num_kv, max(num_scored, 0), dtype=torch.float32, device=k.device)
@@ -604,7 +604,7 @@ def paged_decode_attention(
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
@@ -905,7 +905,7 @@ def _move_tokens(
 ) -> None:
     """Launch `_move_tokens_kernel`: src [n, H, D] -> paged dst [blocks, block_size, H, D]."""
     head_dim, num_heads = src_k.shape[-1], src_k.shape[1]
-    _check_head_dim(head_dim)
+    check_head_dim(head_dim)
     assert src_k.stride(-1) == dst_k.stride(-1) == 1, "head dim must be contiguous"
     if num_rows == 0:
         return
