@@ -126,12 +126,10 @@ def _rotate_and_store_kernel(
         k_dst = k_cache_ptr + k_row + dims[None, :]
         tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        v_src = v_ptr + token * stride_vt + kv_heads * stride_vh + dims[None, :]
+        row = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(v_ptr + token * stride_vt + kv_heads * stride_vh + row, mask=kv_mask)
         v_row = page * stride_vcb + offset * stride_vct + kv_heads * stride_vch
-        v_dst = v_cache_ptr + v_row + dims[None, :]
-        for half in tl.static_range(2):
-            v = tl.load(v_src + half * HALF, mask=kv_mask)
-            tl.store(v_dst + half * HALF, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(v_cache_ptr + v_row + row, v.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
 
 
 def rotate_and_store_kv(
