@@ -22,7 +22,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-model-len", type=int, default=8192)
     add_step_size_args(engine)
-    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV cache page (default: 128 on CUDA, where the decode kernel reads a "
+        "page per key tile; 16 elsewhere)",
+    )
     engine.add_argument("--kv-cache-memory-gb", type=float, default=None)
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument(

@@ -247,12 +247,17 @@ def test_window_scores_from_kernel_lse() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
+# 8: key tiles span several pages (gathered per token); 32: pages of two whole tiles (one page
+# number per tile) on the CPU, where a tile has 16 keys.
+@pytest.mark.parametrize("block_size", [8, 32])
 def test_paged_decode_matches_reference(
-    num_q: int, num_kv: int, num_splits: int | None, dtype: torch.dtype
+    num_q: int, num_kv: int, num_splits: int | None, dtype: torch.dtype, block_size: int
 ) -> None:
     torch.manual_seed(num_q + (num_splits or 0))
     # Context lengths not multiples of the page size; the short one leaves later splits empty.
-    k_cache, v_cache, table, lens = _paged([37, 3, 50], num_kv, 32, block_size=8, dtype=dtype)
+    k_cache, v_cache, table, lens = _paged(
+        [37, 3, 50], num_kv, 32, block_size=block_size, dtype=dtype
+    )
     q = _randn(3, num_q, 32, dtype=dtype)
     out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2, num_splits=num_splits)
     expected = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2)
@@ -482,12 +487,14 @@ def test_gpu_window_scores_4000_tokens(gqa_reduce: str) -> None:
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("batch,context", [(64, 4500), (2, 4500), (64, 512)])
-def test_gpu_paged_decode(batch: int, context: int) -> None:
+@pytest.mark.parametrize("batch,context", [(64, 4500), (2, 4500), (64, 512), (20, 800)])
+# 16: gathered per token; 128 and 256: one page number per 128-key tile.
+@pytest.mark.parametrize("block_size", [16, 128, 256])
+def test_gpu_paged_decode(batch: int, context: int, block_size: int) -> None:
     torch.manual_seed(12)
-    # Ragged contexts around the target length, 16-token pages.
+    # Ragged contexts around the target length.
     lens = (context - torch.randint(0, 100, (batch,))).tolist()
-    k_cache, v_cache, table, lens_t = _paged(lens, 8, 128, block_size=16, dtype=BF16)
+    k_cache, v_cache, table, lens_t = _paged(lens, 8, 128, block_size=block_size, dtype=BF16)
     q = _randn(batch, 32, 128, dtype=BF16)
     out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5)
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5), BF16)

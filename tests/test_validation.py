@@ -67,8 +67,19 @@ def test_bad_engine_config():
         EngineConfig(max_num_seqs=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="block_size must be at least 1"):
+        EngineConfig(block_size=0)
     with pytest.raises(ValueError, match=r"max_model_len .* exceeds the model's"):
         LLM("dummy:tiny", max_model_len=100_000, kv_cache_memory_gb=0.001)
+
+
+def test_block_size_defaults_by_device(tiny):
+    """128-token pages on CUDA (the decode kernel's tile), 16 elsewhere; a given size stays."""
+    assert EngineConfig().on_device("cuda").block_size == 128
+    assert EngineConfig().on_device("cpu").block_size == 16
+    assert EngineConfig(block_size=32).on_device("cuda").block_size == 32
+    expected = 128 if tiny.engine.runner.device.type == "cuda" else 16
+    assert tiny.engine.config.block_size == tiny.engine.block_manager.block_size == expected
 
 
 def test_prompt_longer_than_max_model_len(tiny):

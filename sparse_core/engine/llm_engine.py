@@ -16,7 +16,7 @@ from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
-from sparse_core.engine.model_runner import ModelRunner
+from sparse_core.engine.model_runner import ModelRunner, resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
@@ -96,6 +96,7 @@ class LLMEngine:
     ) -> None:
         """`model_source`: weights and tokenizer already loaded for `config.model` (its
         hf_overrides applied), so that many engines over one model read the files once."""
+        config = config.on_device(resolve_device(config.device).type)
         self.config = config
         self.sparsity = sparsity
         source = model_source or load_model_source(config.model, config.hf_overrides)

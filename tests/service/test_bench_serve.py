@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from service.bench_clients import warm_up
 from service.bench_serve import (
     add_arguments,
     default_metrics_url,
@@ -159,6 +162,33 @@ def test_clients_are_spread_over_a_process_per_ten_by_default():
     assert processes == [min(cores, 4), 1, min(cores, 2), 3, min(cores, 3)]
     with pytest.raises(SystemExit):
         parser.parse_args(["--processes", "0"])
+
+
+def test_warm_up_makes_a_call_per_client_and_tolerates_a_dead_server(server):
+    """Before a level, each client of a load process makes one call (setting the `openai`
+    client up and opening its connection); a server that does not answer is left to the
+    level's requests to report."""
+    import httpx
+    from openai import AsyncOpenAI
+
+    async def warm(base_url: str) -> list[tuple[str, int]]:
+        answered: list[tuple[str, int]] = []
+
+        async def record(response: httpx.Response) -> None:
+            answered.append((response.request.url.path, response.status_code))
+
+        http = httpx.AsyncClient(event_hooks={"response": [record]})
+        client = AsyncOpenAI(base_url=base_url, api_key=server.api_key, max_retries=0,
+                             http_client=http, timeout=5)  # fmt: skip
+        await warm_up(client, 3)
+        await client.close()
+        return answered
+
+    assert asyncio.run(warm(server.v1)) == [("/v1/models", 200)] * 3
+    with socket.socket() as closed:  # a port with nothing listening
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert asyncio.run(warm(f"http://127.0.0.1:{port}/v1")) == []
 
 
 def test_percentile_is_nearest_rank():
