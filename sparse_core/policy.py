@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from sparse_core.config import SparsityConfig
+from sparse_core.engine.transfers import to_device
 from sparse_core.kernels import KernelOps
 from sparse_core.kernels.reference import rows_by_head
 
@@ -121,7 +122,9 @@ def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:
 @dataclass
 class PromptBatch:
     """Prompts packed in a prefill step: host bounds, and the same on the device (built once per
-    step, so the layers do no host-to-device copies, which would stall the launch queue)."""
+    step, so the layers do no host-to-device copies, which would stall the launch queue; copied
+    from page-locked memory, so that a step prepared while the one before it runs does not wait
+    for it)."""
 
     bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed keys
     starts: torch.Tensor
@@ -138,8 +141,7 @@ class PromptBatch:
         device: torch.device,
         query_ends: list[int] | None = None,
     ) -> PromptBatch:
-        host = torch.tensor(bounds, dtype=torch.int64).view(-1, 2)
-        on_device = host.to(device)
+        on_device = to_device(bounds, torch.int64, device).view(-1, 2)
         ends = [end for _, end in bounds] if query_ends is None else query_ends
         return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0], ends)
 

@@ -121,7 +121,7 @@ def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_grou
     llm = _tiny(max_num_batched_tokens=64, kv_cache_memory_gb=0.0002)
     sparse = llm.engine.plan.groups[1]
     pool = llm.engine.block_manager.pools[1].num_blocks
-    too_long = 16 * pool + 1  # one token more than the sparse pool holds
+    too_long = llm.engine.config.block_size * pool + 1  # one token more than the pool holds
     with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
         llm.generate([list(range(1, too_long + 1))], SamplingParams(max_tokens=1))
     # A prompt that fits a step and, compressed, its group, if a preemption would make it

@@ -6,6 +6,7 @@ import gc
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -108,6 +109,28 @@ def test_async_scheduling_matches_stepping_one_at_a_time(monkeypatch):
     )
 
 
+def test_launching_a_prefill_step_does_not_wait_for_the_device():
+    """A step that prefills is prepared and launched while the step before it still runs (async
+    scheduling): no host-to-device copy in it may wait for the device to drain. Each such wait
+    left the device idle for the rest of the host's preparation."""
+    llm = LLM("dummy:smollm2-135m", sparsity=SPARSITY, device="cuda", max_model_len=2048,
+              kv_cache_memory_gb=0.5, enforce_eager=True)  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("warm-up", list(range(1, 601)), params)
+    while engine.has_unfinished:
+        engine.step()
+    engine.add_request("compressed", list(range(1, 601)), params)  # 600 tokens > budget 256
+    step = engine.scheduler.schedule()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of device time ahead of the step
+    start = time.perf_counter()
+    engine.runner.launch(step, engine.block_manager)
+    launch = time.perf_counter() - start
+    torch.cuda.synchronize()
+    assert launch < 0.25, f"the launch took {launch:.2f} s: it waited for the device"
+
+
 def test_cuda_graphs_match_eager(monkeypatch):
     assert generate(monkeypatch, False, enforce_eager=False) == generate(
         monkeypatch, False, enforce_eager=True
@@ -151,7 +174,7 @@ llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb={limit_gb}, m
 out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
 free, total = torch.cuda.mem_get_info()
 blocks = llm.engine.stats().kv_blocks["full"]["total"]
-kv = blocks * 16 * llm.engine.runner.bytes_per_token_per_layer() * 30
+kv = blocks * llm.engine.config.block_size * llm.engine.runner.bytes_per_token_per_layer() * 30
 print(json.dumps({{"used": total - free, "kv": kv, "tokens": len(out.token_ids)}}))
 """
     proc = subprocess.run(
