@@ -99,15 +99,22 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
                          usage.prompt_tokens)  # fmt: skip
 
 
+# The `openai` client keeps at most this many idle connections open.
+WARM_CONNECTIONS_MAX = 100
+WARM_UP_TIMEOUT_S = 10.0
+
+
 async def warm_up(client, connections: int) -> None:
     """Make the client's first calls before a level starts, so that its requests do not pay for
     them: a process's first call sets the `openai` client up (42 ms on a 2-core machine, 3 ms
-    for the calls after it) and each concurrent one opens a connection. A failure is left to
-    the level's requests to report."""
-    from openai import OpenAIError
-
-    with contextlib.suppress(OpenAIError):
-        await asyncio.gather(*(client.models.list() for _ in range(connections)))
+    for the calls after it) and each concurrent one opens a connection. Failures (a server that
+    refuses or does not answer within WARM_UP_TIMEOUT_S) are left to the level's requests to
+    report."""
+    calls = min(connections, WARM_CONNECTIONS_MAX)
+    await asyncio.gather(
+        *(client.models.list(timeout=WARM_UP_TIMEOUT_S) for _ in range(calls)),
+        return_exceptions=True,
+    )
 
 
 async def run_jobs(

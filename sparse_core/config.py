@@ -94,7 +94,7 @@ class SparsityConfig:
 
 # Tokens per KV page when EngineConfig.block_size is None. On CUDA a page is one key tile of the
 # paged decode kernel (128 keys at head dims up to 128), which then finds a tile's rows from one
-# page number instead of one per token: 15-20% less time per layer at batch 20 on an H200, and
+# page number instead of one per token: 16-20% less time per layer at batch 20 on an H200, and
 # ~0.16 ms less per decode step of Llama-3-8B (docs/benchmarks.md). The cost is memory: on
 # average half a page per sequence and layer group stays unused.
 CUDA_BLOCK_SIZE = 128

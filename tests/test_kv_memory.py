@@ -24,6 +24,7 @@ def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, d
         max_model_len=4096,
         max_num_seqs=256,
         kv_cache_memory_gb=0.15,
+        block_size=16,  # the default on CPU, as the block counts below assume
         expected_input_len=PROMPT_LEN,
         expected_output_len=16,
     )

@@ -87,7 +87,7 @@ def test_a_preempted_split_request_gives_the_output_it_gives_alone():
 
     def tiny_llm() -> LLM:
         # 19 blocks of 16 tokens: the two requests below need 24 together.
-        return LLM("dummy:tiny", max_model_len=512, kv_cache_memory_gb=0.0003)
+        return LLM("dummy:tiny", max_model_len=512, kv_cache_memory_gb=0.0003, block_size=16)
 
     rng = random.Random(0)
     long_prompt = [rng.randrange(1, 500) for _ in range(100)]

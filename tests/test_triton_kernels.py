@@ -247,9 +247,9 @@ def test_window_scores_from_kernel_lse() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 @pytest.mark.parametrize("num_q,num_kv", [(2, 2), (4, 2), (8, 2)])
-# 8: key tiles span several pages (gathered per token); 32: pages of two whole tiles (one page
-# number per tile) on the CPU, where a tile has 16 keys.
-@pytest.mark.parametrize("block_size", [8, 32])
+# 8: key tiles span several pages (gathered per token); 16 and 32: pages of one and two whole
+# tiles (one page number per tile) on the CPU, where a tile has 16 keys.
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_paged_decode_matches_reference(
     num_q: int, num_kv: int, num_splits: int | None, dtype: torch.dtype, block_size: int
 ) -> None:

@@ -27,13 +27,14 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from sparse_core.config import CUDA_BLOCK_SIZE
 from sparse_core.kernels import reference as ref
 from sparse_core.kernels import triton_kernels as tk
 
 NUM_Q, NUM_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 DTYPE = torch.bfloat16
 SCALE = HEAD_DIM**-0.5
-BLOCK_SIZE = 16  # tokens per KV page
+BLOCK_SIZE = CUDA_BLOCK_SIZE  # tokens per KV page, as the engine has them on CUDA
 DEVICE = "cuda"
 
 

@@ -30,6 +30,7 @@ def engine_run(policy: str, tp: int) -> Run:
         sparsity=POLICIES[policy],
         max_model_len=512,
         kv_cache_memory_gb=0.01,
+        block_size=16,  # the default on CPU; a CUDA host would get 128
         tensor_parallel_size=tp,
     ) as llm:
         result = run(llm, PROMPTS, PARAMS, late=LATE_PROMPTS)
