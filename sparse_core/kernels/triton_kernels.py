@@ -613,10 +613,11 @@ def paged_decode_attention(
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B]. Any page size works; with
     pages of a multiple of the key tile (128 keys on a GPU at D <= 128) each tile is read from
-    one page number: 16-20% less time on an H200 than a gather per token. `max_context_len` (an upper
-    bound is enough) only chooses the number of splits, without a device-to-host sync, so the
-    launch can be captured in a CUDA graph; every split count reads each whole context. `out`:
-    where to write the output (default: a new tensor; its head dim must be contiguous).
+    one page number: 16-20% less time on an H200 than a gather per token. `max_context_len`
+    (an upper bound is enough) only chooses the number of splits, without a device-to-host
+    sync, so the launch can be captured in a CUDA graph; every split count reads each whole
+    context. `out`: where to write the output (default: a new tensor; its head dim must be
+    contiguous).
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
