@@ -44,40 +44,6 @@ def test_silu_and_mul(dtype, rows, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("num_q", "num_kv", "head_dim"), [(4, 2, 16), (9, 3, 64), (32, 8, 128)])
-def test_rotate_and_store_kv_on_qkv_views(dtype, num_q, num_kv, head_dim):
-    """q and k rotated in place inside the fused qkv projection (v untouched), and the rotated k
-    and v written to the paged caches at their slots; -1 writes nothing."""
-    tokens, block_size, num_blocks = 7, 4, 5
-    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, device=DEVICE).to(dtype)
-    positions = torch.tensor([0, 3, 1, 17, 9, 2, 30], device=DEVICE)
-    slots = torch.tensor([5, -1, 0, 19, 12, -1, 7], device=DEVICE)
-    freqs = torch.outer(torch.arange(64.0), torch.rand(head_dim // 2)).to(DEVICE)
-    cos, sin = freqs.cos(), freqs.sin()
-    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
-
-    def run(rotate_and_store_kv):
-        x = qkv.clone()
-        q, k, v = (t.view(tokens, -1, head_dim) for t in x.split(sizes, dim=-1))
-        # The K cache plain, the V cache a strided view (K and V side by side per head, as the
-        # vLLM plugin lays them out): strides of one mistaken for the other's show.
-        k_cache = torch.full((num_blocks, block_size, num_kv, head_dim), 7.0, device=DEVICE)
-        kv = torch.full((num_blocks, block_size, num_kv, 2 * head_dim), 7.0, device=DEVICE)
-        caches = [k_cache.to(dtype), kv.to(dtype)[..., head_dim:]]
-        rotate_and_store_kv(q, k, v, positions, cos, sin, *caches, slots)
-        return x, caches
-
-    expected, expected_caches = run(ref.rotate_and_store_kv)
-    actual, actual_caches = run(tf.rotate_and_store_kv)
-    close(actual, expected, dtype)
-    assert not torch.equal(actual[:, : sizes[0]], qkv[:, : sizes[0]])  # q was rotated
-    assert torch.equal(actual[:, -sizes[2] :], qkv[:, -sizes[2] :])  # v untouched
-    for cache, want in zip(actual_caches, expected_caches, strict=True):
-        close(cache, want, dtype)
-    assert (actual_caches[1].flatten(0, 1)[[1, 2, 3, 4]] == 7.0).all()  # slots never named
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
     """The launcher reuses a compiled kernel only for arguments Triton would compile the same:
     after a launch on 16-byte-aligned rows of 4096 columns, rows that start 2 bytes off and are

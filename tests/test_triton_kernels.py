@@ -329,6 +329,103 @@ def test_split_count_heuristic() -> None:
     assert tk.decode_num_splits(1, 1, tk._MIN_TOKENS_PER_SPLIT - 1, device) == 1
 
 
+# --- RoPE and the KV store, alone and fused with decode attention ----------------------------
+
+
+def _qkv_views(qkv: torch.Tensor, num_q: int, num_kv: int, head_dim: int):
+    """q, k, v as views into a fused qkv projection's output [T, (Hq + 2 Hkv) * D]."""
+    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
+    return [t.view(qkv.shape[0], -1, head_dim) for t in qkv.split(sizes, dim=-1)]
+
+
+def _rope_tables(head_dim: int, positions: int = 64):
+    freqs = torch.outer(torch.arange(float(positions)), torch.rand(head_dim // 2)).to(DEVICE)
+    return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_q", "num_kv", "head_dim"), [(4, 2, 16), (9, 3, 64), (32, 8, 128)])
+def test_rotate_and_store_kv_on_qkv_views(dtype, num_q, num_kv, head_dim):
+    """q and k rotated in place inside the fused qkv projection (v untouched), and the rotated k
+    and v written to the paged caches at their slots; -1 writes nothing."""
+    tokens, block_size, num_blocks = 7, 4, 5
+    qkv = _randn(tokens, (num_q + 2 * num_kv) * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 3, 1, 17, 9, 2, 30], device=DEVICE)
+    slots = torch.tensor([5, -1, 0, 19, 12, -1, 7], device=DEVICE)
+    cos, sin = _rope_tables(head_dim)
+
+    def run(rotate_and_store_kv):
+        x = qkv.clone()
+        q, k, v = _qkv_views(x, num_q, num_kv, head_dim)
+        # The K cache plain, the V cache a strided view (K and V side by side per head, as the
+        # vLLM plugin lays them out): strides of one mistaken for the other's show.
+        k_cache = torch.full((num_blocks, block_size, num_kv, head_dim), 7.0, device=DEVICE)
+        kv = torch.full((num_blocks, block_size, num_kv, 2 * head_dim), 7.0, device=DEVICE)
+        caches = [k_cache.to(dtype), kv.to(dtype)[..., head_dim:]]
+        rotate_and_store_kv(q, k, v, positions, cos, sin, *caches, slots)
+        return x, caches
+
+    expected, expected_caches = run(ref.rotate_and_store_kv)
+    actual, actual_caches = run(tk.rotate_and_store_kv)
+    _close(actual, expected, dtype)
+    q_cols, v_cols = num_q * head_dim, num_kv * head_dim
+    assert not torch.equal(actual[:, :q_cols], qkv[:, :q_cols])  # q was rotated
+    assert torch.equal(actual[:, -v_cols:], qkv[:, -v_cols:])  # v untouched
+    for cache, want in zip(actual_caches, expected_caches, strict=True):
+        _close(cache, want, dtype)
+    assert (actual_caches[1].flatten(0, 1)[[1, 2, 3, 4]] == 7.0).all()  # slots never named
+
+
+def _rotate_store_and_decode_case(
+    context_lens: list[int], num_q: int, num_kv: int, head_dim: int, block_size: int, dtype
+):
+    """A decode step's inputs: paged caches holding each sequence's earlier tokens, its new
+    token's q, k, v as views of one qkv tensor, at position context_len - 1, stored at that
+    position's slot (the second sequence's at -1: not stored, its stale cache row read)."""
+    k_cache, v_cache, table, lens = _paged(context_lens, num_kv, head_dim, block_size, dtype)
+    positions = torch.tensor(context_lens, device=DEVICE) - 1
+    pages = table.long().gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
+    slots = pages * block_size + positions % block_size
+    if len(context_lens) > 1:
+        slots[1] = -1
+    qkv = _randn(len(context_lens), (num_q + 2 * num_kv) * head_dim, dtype=dtype)
+    cos, sin = _rope_tables(head_dim, max(context_lens))
+    return qkv, positions, cos, sin, k_cache, v_cache, slots, table, lens
+
+
+def _check_rotate_store_and_decode(case, num_q, num_kv, head_dim, dtype, **kwargs) -> None:
+    """The Triton op against the reference: output, q and k rotated in place, both caches."""
+    qkv, positions, cos, sin, k_cache, v_cache, slots, table, lens = case
+    results = []
+    for op, extra in ((ref.rotate_store_and_decode, {}), (tk.rotate_store_and_decode, kwargs)):
+        x, caches = qkv.clone(), (k_cache.clone(), v_cache.clone())
+        q, k, v = _qkv_views(x, num_q, num_kv, head_dim)
+        out = op(q, k, v, positions, cos, sin, *caches, slots, table, lens, 0.3, **extra)
+        results.append((out, x, caches))
+    (want, want_qkv, want_caches), (out, got_qkv, got_caches) = results
+    _close(out, want, dtype)
+    _close(got_qkv, want_qkv, dtype)
+    for cache, expected in zip(got_caches, want_caches, strict=True):
+        _close(cache, expected, dtype)
+    assert not torch.equal(got_caches[0], k_cache)  # the new keys were stored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 1: rotated and stored in the decode kernel itself; 3: stored in a launch of its own first.
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("num_q,num_kv", [(2, 2), (8, 2)])
+# 8: key tiles gathered per token; 16: one page number per tile (CPU tiles hold 16 keys).
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_rotate_store_and_decode_matches_reference(
+    dtype: torch.dtype, num_splits: int | None, num_q: int, num_kv: int, block_size: int
+) -> None:
+    """Attention reads each sequence's new key and value, rotated and stored in the same call,
+    whether the context ends inside a tile, on its first key, or after one key."""
+    torch.manual_seed(num_q + block_size + (num_splits or 0))
+    case = _rotate_store_and_decode_case([37, 3, 17, 1], num_q, num_kv, 32, block_size, dtype)
+    _check_rotate_store_and_decode(case, num_q, num_kv, 32, dtype, num_splits=num_splits)
+
+
 # --- moving tokens ---------------------------------------------------------------------------
 
 
@@ -498,6 +595,18 @@ def test_gpu_paged_decode(batch: int, context: int, block_size: int) -> None:
     q = _randn(batch, 32, 128, dtype=BF16)
     out = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5)
     _close(out, ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, 128**-0.5), BF16)
+
+
+@gpu
+@needs_cuda
+# 20 x 8 programs: the decode kernel stores the new keys itself; 2 x 8: split, stored first.
+@pytest.mark.parametrize("batch,context", [(20, 800), (20, 4300), (2, 4300)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_rotate_store_and_decode(batch: int, context: int, block_size: int) -> None:
+    torch.manual_seed(13)
+    lens = (context - torch.randint(0, 100, (batch,))).tolist()
+    case = _rotate_store_and_decode_case(lens, 32, 8, 128, block_size, BF16)
+    _check_rotate_store_and_decode(case, 32, 8, 128, BF16)
 
 
 @gpu

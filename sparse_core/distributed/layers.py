@@ -67,11 +67,16 @@ class RowParallelLinear(nn.Linear):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(_split(in_features, self.tp_size, "input size"), out_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: where to write the result (rows of a larger tensor) instead of a new tensor."""
+        if self.tp_size == 1 and self.bias is None and out is not None:
+            return torch.mm(x, self.weight.t(), out=out)  # no copy into `out`
         if self.tp_size == 1:
-            return super().forward(x)
-        y = all_reduce(F.linear(x, self.weight))
-        return y if self.bias is None else y + self.bias  # the bias once, after the sum
+            y = super().forward(x)
+        else:
+            y = all_reduce(F.linear(x, self.weight))
+            y = y if self.bias is None else y + self.bias  # the bias once, after the sum
+        return y if out is None else out.copy_(y)
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
         if param is self.bias:

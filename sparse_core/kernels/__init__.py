@@ -30,6 +30,7 @@ class KernelOps:
     rms_norm: Callable
     silu_and_mul: Callable
     rotate_and_store_kv: Callable
+    rotate_store_and_decode: Callable
 
 
 def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None, out=None):
@@ -48,6 +49,7 @@ REFERENCE_OPS = KernelOps(
     rms_norm=reference.rms_norm,
     silu_and_mul=reference.silu_and_mul,
     rotate_and_store_kv=reference.rotate_and_store_kv,
+    rotate_store_and_decode=reference.rotate_store_and_decode,
 )
 
 
@@ -66,7 +68,8 @@ def _triton_ops() -> KernelOps:
         paged_decode_attention=tk.paged_decode_attention,
         rms_norm=tf.rms_norm,
         silu_and_mul=tf.silu_and_mul,
-        rotate_and_store_kv=tf.rotate_and_store_kv,
+        rotate_and_store_kv=tk.rotate_and_store_kv,
+        rotate_store_and_decode=tk.rotate_store_and_decode,
     )
 
 

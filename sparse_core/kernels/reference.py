@@ -364,3 +364,27 @@ def rotate_and_store_kv(
     apply_rotary_(q, positions, cos, sin)
     apply_rotary_(k, positions, cos, sin)
     store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotate_store_and_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode step's attention: `rotate_and_store_kv` of its rows (one token per sequence),
+    then `paged_decode_attention` over contexts that include those tokens."""
+    rotate_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    return paged_decode_attention(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out
+    )

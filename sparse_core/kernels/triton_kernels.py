@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -423,6 +424,131 @@ def window_scores(
 
 
 # ---------------------------------------------------------------------------------------------
+# 2b. RoPE applied in place to q and k as k and v are stored into the paged caches
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rotate_heads(base, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate in place the [heads, 2 * HALF] rows at `base`; returns the rounded halves."""
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    r1 = (f1 * cos - f2 * sin).to(x1.dtype)
+    r2 = (f2 * cos + f1 * sin).to(x1.dtype)
+    tl.store(base, r1, mask=mask)
+    tl.store(base + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
+def _rotate_and_store_token(
+    q_rows, q_ok, k_rows, v_rows, kv_heads, kv_ok, pos, slot,
+    cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, block_size,
+    HALF: tl.constexpr,
+):  # fmt: skip
+    """One token at position `pos`: RoPE in place on the query heads whose rows start at q_rows
+    [heads, 1] and on the key heads at k_rows [heads, 1]; then the rotated keys and the values
+    (rows at v_rows) written into the caches at `slot` (nothing for -1), as KV heads `kv_heads`
+    [heads, 1]."""
+    dims = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_ptr + pos * stride_c + dims)
+    sin = tl.load(sin_ptr + pos * stride_c + dims)
+    _rotate_heads(q_rows + dims, cos, sin, q_ok, HALF)
+    k1, k2 = _rotate_heads(k_rows + dims, cos, sin, kv_ok, HALF)
+    if slot >= 0:
+        page, offset = slot // block_size, slot % block_size
+        k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kct + kv_heads * stride_kch + dims
+        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+        row = tl.arange(0, 2 * HALF)[None, :]
+        v = tl.load(v_rows + row, mask=kv_ok)
+        v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vct + kv_heads * stride_vch + row
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _rotate_and_store_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+    stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
+    num_q_heads, num_kv_heads, block_size,
+    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    q_heads = tl.arange(0, BLOCK_HQ)[:, None]
+    kv_heads = tl.arange(0, BLOCK_HKV)[:, None]
+    _rotate_and_store_token(
+        q_ptr + token * stride_qt + q_heads * stride_qh, q_heads < num_q_heads,
+        k_ptr + token * stride_kt + kv_heads * stride_kh,
+        v_ptr + token * stride_vt + kv_heads * stride_vh, kv_heads, kv_heads < num_kv_heads,
+        tl.load(pos_ptr + token),
+        tl.load(slots_ptr + token).to(tl.int64),  # a cache can pass 2**31 elements
+        cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
+        stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, block_size,
+        HALF=HALF,
+    )  # fmt: skip
+
+
+def _check_rotate_and_store(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    tokens, _, head_dim = q.shape
+    num_kv = k.shape[1]
+    check_head_dim(head_dim)
+    assert k.shape == v.shape == (tokens, num_kv, head_dim) and q.dtype == k.dtype
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv, head_dim)
+    assert positions.shape == slot_mapping.shape == (tokens,)
+    assert (
+        cos.shape == sin.shape and cos.shape[-1] == head_dim // 2 and cos.stride() == sin.stride()
+    )
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1, "head dim must be contiguous"
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and slot_mapping.is_contiguous()
+    assert positions.is_contiguous() and cos.stride(-1) == 1
+
+
+def rotate_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """RoPE in place on q [T, Hq, D] and k [T, Hkv, D] (views into the fused qkv projection
+    work), and k and v stored into the paged caches [blocks, block_size, Hkv, D] at
+    `slot_mapping` [T] (-1 skips): one launch where a rotation and a store took two."""
+    _check_rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    tokens, num_q, head_dim = q.shape
+    num_kv = k.shape[1]
+    if tokens == 0:
+        return
+    launch(
+        _rotate_and_store_kernel, (tokens,),
+        q, k, v, positions, cos, sin, slot_mapping, k_cache, v_cache,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_q, num_kv, k_cache.shape[1],
+        HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_q),
+        BLOCK_HKV=triton.next_power_of_2(num_kv),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
 # 3. Paged decode attention (GQA-grouped, optional split-K)
 # ---------------------------------------------------------------------------------------------
 
@@ -437,6 +563,12 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    slots_ptr,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -448,6 +580,11 @@ def _paged_decode_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_c,
     scale_log2,
     block_size,
     GROUP: tl.constexpr,
@@ -456,12 +593,31 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     WHOLE_PAGES: tl.constexpr,
+    ROTATE_STORE: tl.constexpr,
 ):
     # One program = one sequence x one KV head x one split of its keys. All GROUP query heads of
     # the KV head ride in one [BLOCK_G, D] tile, so each K/V byte is read once per step.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
+    if ROTATE_STORE:
+        # Unsplit, this program alone reads this KV head's queries and new key of the sequence:
+        # it rotates them and stores the key and value itself (as rotate_and_store_kv would),
+        # then waits for all its threads, so that the loads below see what they wrote.
+        head = tl.zeros([1, 1], dtype=tl.int32) + kv_head
+        _rotate_and_store_token(
+            q_ptr + seq * stride_qb + heads[:, None] * stride_qh, g_ok[:, None],
+            k_new_ptr + seq * stride_knb + head * stride_knh,
+            v_new_ptr + seq * stride_vnb + head * stride_vnh, head, head >= 0,
+            tl.load(pos_ptr + seq), tl.load(slots_ptr + seq).to(tl.int64),
+            cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size,
+            HALF=HEAD_DIM // 2,
+        )  # fmt: skip
+        tl.debug_barrier()
     context_len = tl.load(context_lens_ptr + seq)
     lo = 0
     hi = context_len
@@ -472,9 +628,6 @@ def _paged_decode_kernel(
         lo = split * per_split
         hi = tl.minimum(lo + per_split, context_len)
 
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < GROUP
-    heads = kv_head * GROUP + g
     dims = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
@@ -598,6 +751,18 @@ def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
     return (128 if q.shape[-1] <= 128 else 64), 4, 2
 
 
+class NewKeys(NamedTuple):
+    """A decode step's own tokens, one per sequence, for `rotate_store_and_decode`: keys and
+    values [B, Hkv, D] before RoPE, positions [B], the RoPE tables, and their slots [B]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -619,12 +784,63 @@ def paged_decode_attention(
     context. `out`: where to write the output (default: a new tensor; its head dim must be
     contiguous).
     """
+    return _paged_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, num_splits
+    )
+
+
+def rotate_store_and_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """`rotate_and_store_kv` of the decode rows (q [B, Hq, D], k and v [B, Hkv, D], one token
+    per sequence), then `paged_decode_attention` over contexts that include those tokens.
+
+    One launch when the keys are not split (every decode step from batch x Hkv >= SMs, where a
+    separate launch costs as much as its work: ~3 µs a layer on an H200); with splits, the
+    programs of one sequence would race on its new key, so it is stored in a launch first.
+    """
+    new = NewKeys(k, v, positions, cos, sin, slot_mapping)
+    return _paged_decode(
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, num_splits,
+        new,
+    )  # fmt: skip
+
+
+def _paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None,
+    out: torch.Tensor | None,
+    num_splits: int | None,
+    new: NewKeys | None = None,
+) -> torch.Tensor:
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
     check_head_dim(head_dim)
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
+    if new is not None:
+        new_k, new_v, positions, cos, sin, slots = new
+        _check_rotate_and_store(q, new_k, new_v, positions, cos, sin, k_cache, v_cache, slots)
     out = torch.empty_like(q) if out is None else out
     assert out.shape == q.shape and out.stride(-1) == 1
     if batch == 0:
@@ -635,6 +851,11 @@ def paged_decode_attention(
         num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
     block_n, num_warps, num_stages = _decode_tiles(q)
     split = num_splits > 1
+    if new is not None and split:
+        rotate_and_store_kv(
+            q, new.k, new.v, new.positions, new.cos, new.sin, k_cache, v_cache, new.slot_mapping
+        )
+        new = None
     group = num_q // num_kv
     if split:
         part_out = torch.empty(
@@ -643,17 +864,21 @@ def paged_decode_attention(
         part_lse = torch.empty(batch, num_q, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused when SPLIT is off
+    # Without new keys, their pointers are never read: any tensor stands in.
+    k_new, v_new, positions, cos, sin, slots = new if new is not None else (q,) * 6
     launch(
         _paged_decode_kernel, (batch, num_kv, num_splits),
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        k_new, v_new, positions, cos, sin, slots,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
         scale * LOG2E, block_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, WHOLE_PAGES=block_size % block_n == 0,
-        **_launch_options(q, num_warps, num_stages),
+        ROTATE_STORE=new is not None, **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
     if split:
         launch(

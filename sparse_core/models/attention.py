@@ -163,20 +163,6 @@ class PagedAttention(nn.Module):
             self._decode(q[n:], k[n:], v[n:], positions[n:], group, out[n:])
         return out
 
-    def _rotate_and_store(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """RoPE on q and k in place; k and v into this layer's cache (slot -1 is skipped)."""
-        cos, sin = self.rotary.cos, self.rotary.sin
-        self.ops.rotate_and_store_kv(
-            q, k, v, positions, cos, sin, self.k_cache, self.v_cache, slot_mapping
-        )
-
     def _decode(
         self,
         q: torch.Tensor,
@@ -186,17 +172,11 @@ class PagedAttention(nn.Module):
         group: DecodeGroupMetadata,
         out: torch.Tensor,
     ) -> None:
-        self._rotate_and_store(q, k, v, positions, group.slot_mapping)
-        self.ops.paged_decode_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            group.block_tables,
-            group.context_lens,
-            self.scale,
-            group.max_context_len,
-            out=out,
-        )
+        self.ops.rotate_store_and_decode(
+            q, k, v, positions, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
+            group.slot_mapping, group.block_tables, group.context_lens, self.scale,
+            group.max_context_len, out=out,
+        )  # fmt: skip
 
     def _prefill(
         self,
@@ -213,7 +193,10 @@ class PagedAttention(nn.Module):
         chunks, which held the whole prompt)."""
         group = meta.groups[self.group]
         ops = self.ops
-        self._rotate_and_store(q, k, v, positions, group.slot_mapping)
+        self.ops.rotate_and_store_kv(
+            q, k, v, positions, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
+            group.slot_mapping,
+        )  # fmt: skip
         cu_seqlens_k = None
         if meta.context is not None:
             k, v = meta.context.pack(ops, k, v, self.k_cache, self.v_cache, group.cached_slots)

@@ -103,11 +103,11 @@ class LlamaMLP(nn.Module):
         out = torch.empty_like(x)
         for start in range(0, x.shape[0], MLP_SLICE_TOKENS):
             rows = slice(start, start + MLP_SLICE_TOKENS)
-            out[rows] = self._mlp(x[rows])
+            self._mlp(x[rows], out[rows])
         return out
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+    def _mlp(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)), out)
 
 
 class LlamaDecoderLayer(nn.Module):
