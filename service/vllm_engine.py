@@ -79,7 +79,8 @@ class VllmAsyncLLM:
     def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Checked now (ValueError), streamed when iterated, like our AsyncLLM."""
+        """Checked now (ValueError); queued when first iterated (vLLM queues a request as its
+        stream starts), where our AsyncLLM queues it at once."""
         if getattr(params, "compress_prefix_len", None) is not None:
             raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
         return self._stream(list(prompt_ids), _vllm_params(params), request_id)

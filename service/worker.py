@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
 from service.errors import APIError
 from service.messages import Chunk, GenerateRequest, RoutingStats
@@ -75,14 +75,16 @@ class EngineWorker:
             logger.info("request %s prompt: %r", req.request_id, req.prompt or req.messages)
 
         n_prompt = len(prompt_ids)
-        yield Chunk("", 0, n_prompt)
         # Text that may still turn out to start a stop string is held back until it cannot.
         hold = max((len(s) for s in params.stop), default=1) - 1
         sent_chars = sent_tokens = 0
         last_token_time: float | None = None
         reason = "abort"  # unless the engine says otherwise: the consumer went away
         try:
+            # The request is queued already: closed from here on, even before the response
+            # starts, this stream aborts it.
             async with contextlib.aclosing(outputs):
+                yield Chunk("", 0, n_prompt)
                 async for out in outputs:
                     now = time.monotonic()
                     new_tokens = len(out.token_ids) - sent_tokens
@@ -116,8 +118,8 @@ class EngineWorker:
 
     def _validate(
         self, req: GenerateRequest
-    ) -> tuple[list[int], SamplingParams, AsyncGenerator[RequestOutput, None]]:
-        """The request's prompt ids, sampling params and (not yet started) engine stream."""
+    ) -> tuple[list[int], SamplingParams, AsyncIterator[RequestOutput]]:
+        """The request's prompt ids, sampling params and engine stream (the request queued)."""
         prompt_ids, param = self._prompt_ids(req)
         params = self._sampling_params(req, len(prompt_ids))
         try:

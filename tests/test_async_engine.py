@@ -29,6 +29,14 @@ async def collect(engine, prompt, params):
     return outs
 
 
+async def until(condition, timeout_s: float = 4.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if condition():
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def test_stream_yields_growing_outputs_and_finishes(engine):
     """One output per step, cumulative; a consumer that falls behind the engine gets the newest
     only, so steps may be skipped but never repeated or reordered."""
@@ -66,15 +74,28 @@ def test_consumer_that_stops_early_aborts_and_frees_blocks(engine):
                 break  # like a client that went away mid-stream
 
     asyncio.run(disconnect_after(3))
+    idle = until(lambda: used_blocks(engine) == 0 and engine.stats().num_running == 0)
+    assert asyncio.run(idle)
 
-    async def wait_until_idle():
-        for _ in range(200):
-            if used_blocks(engine) == 0 and engine.stats().num_running == 0:
-                return True
-            await asyncio.sleep(0.02)
-        return False
 
-    assert asyncio.run(wait_until_idle())
+def test_a_request_is_queued_before_its_stream_is_read_and_closing_it_aborts(engine):
+    """A server queues each request as it validates it (a burst's first prompt does not wait
+    for the others to be parsed); a stream closed before it was read still aborts its request:
+    a request sent after it then runs alone."""
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        unread = engine.generate(list(range(1, 90)), params)
+        queued = await until(lambda: used_blocks(engine) > 0)
+        await unread.aclose()
+        running = []
+        async for out in engine.generate(list(range(1, 40)), params):
+            if len(out.token_ids) >= 50:  # steps after the abort reached the engine
+                running.append(engine.stats().num_running)
+                break
+        return queued, running
+
+    assert asyncio.run(scenario()) == (True, [1])
 
 
 def test_invalid_request_raises_before_streaming(engine):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sys
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from sparse_core.config import EngineConfig, SparsityConfig
@@ -20,7 +20,6 @@ from sparse_core.engine.llm_engine import EngineStats, LLMEngine
 from sparse_core.engine.model_runner import resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.sequence import Sequence
 
 # With the engine on a thread of this process, it shares the GIL with the event loop that
 # streams responses. Python hands the GIL to a waiting thread only every switch interval (5 ms by
@@ -69,36 +68,35 @@ class AsyncLLM:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Validate the request now, then return its stream: the output after every step until
-        it finishes.
+    ) -> RequestStream:
+        """Validate the request and queue it now; return its stream: the output after every
+        step until it finishes. Call it from a coroutine (the stream belongs to its event loop).
 
-        A bad request raises ValueError here, before anything is queued; the request is queued
-        when the stream is first iterated. If the consumer stops iterating (a client
-        disconnected), the request is aborted and its blocks freed.
+        A bad request raises ValueError here, before anything is queued. Queued at once, a
+        request of a burst does not wait for the server to parse the ones that came with it.
+        Closing the stream before its last output (a client that disconnected) aborts the
+        request and frees its blocks; so does dropping a stream that was read from.
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        self._check_unused(request_id)
-        return self._stream(self.checker.make_sequence(request_id, prompt, params))
-
-    def _check_unused(self, request_id: str) -> None:
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in use")
-
-    async def _stream(self, seq: Sequence) -> AsyncGenerator[RequestOutput, None]:
-        request_id = seq.request_id
-        self._check_unused(request_id)  # again: two streams of one id may both be unstarted
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        seq = self.checker.make_sequence(request_id, prompt, params)
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._in_flight.add(request_id)
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._core.send(("add", seq))
+        return RequestStream(self._stream(request_id, queue), lambda: self._abandon(request_id))
+
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
-            self._core.send(("add", seq))
             while True:
-                item = await stream.get()
+                item = await queue.get()
                 # Outputs are cumulative: a consumer that fell behind gets only the newest.
-                while not isinstance(item, BaseException) and not stream.empty():
-                    item = stream.get_nowait()
+                while not isinstance(item, BaseException) and not queue.empty():
+                    item = queue.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -106,9 +104,15 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._core.send(("abort", request_id))
+            if finished:
+                self._streams.pop(request_id, None)
+            else:
+                self._abandon(request_id)
+
+    def _abandon(self, request_id: str) -> None:
+        """A stream closed before its request finished: stop delivering to it, abort the request."""
+        self._streams.pop(request_id, None)
+        self._core.send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
         self._core.send(("abort", request_id))
@@ -134,6 +138,34 @@ class AsyncLLM:
                 self._in_flight.discard(request_id)  # only now may the id be used again
         for loop, deliveries in by_loop.items():
             loop.call_soon_threadsafe(_deliver, deliveries)
+
+
+class RequestStream:
+    """A queued request's outputs (`AsyncLLM.generate`): an async iterator of RequestOutput.
+
+    `aclose()` before the last output aborts the request, read from or not (the generator behind
+    it would run no cleanup before its first step). A stream that was read from is also aborted
+    when dropped: asyncio closes the generator behind it."""
+
+    def __init__(
+        self, outputs: AsyncGenerator[RequestOutput, None], abandon: Callable[[], None]
+    ) -> None:
+        self._outputs = outputs
+        self._abandon = abandon
+        self._started = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    def __anext__(self) -> Awaitable[RequestOutput]:
+        self._started = True
+        return self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        if not self._started:
+            self._started = True  # closing twice aborts once
+            self._abandon()
+        await self._outputs.aclose()
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
