@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from sparse_core.kernels.launcher import launch
+from sparse_core.kernels.triton_kernels import early_launch
 
 if triton.knobs.runtime.interpret:
     from sparse_core.kernels.triton_interpreter import apply_interpreter_fixes
@@ -26,8 +28,10 @@ if triton.knobs.runtime.interpret:
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -55,13 +59,17 @@ def rms_norm(
         _rms_norm_kernel, (rows,),
         x, res, weight, out, res_out,
         x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols),
+        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **early_launch(x),
     )  # fmt: skip
     return out, res_out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    if PDL:
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -80,6 +88,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     launch(
         _silu_and_mul_kernel, (rows, triton.cdiv(half, block)),
-        x, out, x.stride(0), out.stride(0), half, BLOCK=block,
+        x, out, x.stride(0), out.stride(0), half, BLOCK=block, **early_launch(x),
     )  # fmt: skip
     return out

@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparse_core.kernels import reference
@@ -49,6 +50,18 @@ def check_head_dim(head_dim: int) -> None:
 def _launch_options(x: torch.Tensor, num_warps: int, num_stages: int) -> dict[str, int]:
     """Warps and pipeline stages for a GPU launch; the interpreter takes none."""
     return {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
+
+
+def early_launch(x: torch.Tensor) -> dict[str, bool]:
+    """The constexpr PDL and the launch option for programmatic dependent launch, on GPUs from
+    Hopper on: the kernel is launched as the kernel before it finishes (its blocks resident
+    early), and waits in `gdc_wait()`, its first statement, until that kernel's writes are
+    visible. In a decode step every one of these kernels follows a matmul; the launch's latency,
+    ~1 µs, is what this hides. Off elsewhere and under the interpreter."""
+    if not x.is_cuda:
+        return {"PDL": False}
+    pdl = _gpu(x.device).major >= 9
+    return {"PDL": pdl, "launch_pdl": pdl}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -594,9 +607,12 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     WHOLE_PAGES: tl.constexpr,
     ROTATE_STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program = one sequence x one KV head x one split of its keys. All GROUP query heads of
     # the KV head ride in one [BLOCK_G, D] tile, so each K/V byte is read once per step.
+    if PDL:
+        gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -878,7 +894,7 @@ def _paged_decode(
         scale * LOG2E, block_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, WHOLE_PAGES=block_size % block_n == 0,
-        ROTATE_STORE=new is not None, **_launch_options(q, num_warps, num_stages),
+        ROTATE_STORE=new is not None, **early_launch(q), **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
     if split:
         launch(
