@@ -12,8 +12,13 @@ from sparse_core import AsyncLLM, EngineConfig, SamplingParams, SparsityConfig
 
 @pytest.fixture(scope="module", params=[False, True], ids=["engine-thread", "engine-process"])
 def engine(request):
-    """The engine on a thread of this process, and in a process of its own (the GPU default)."""
-    config = EngineConfig(model="dummy:tiny", max_model_len=512, kv_cache_memory_gb=0.01)
+    """The engine on a thread of this process, and in a process of its own (the GPU default).
+    On the CPU wherever the tests run: a request's greedy tokens in a batch equal its tokens
+    alone only where the math does not depend on the batch (float32 on CPU; not bf16 on a GPU,
+    where `tests/test_engine_process.py` runs the engine process)."""
+    config = EngineConfig(
+        model="dummy:tiny", max_model_len=512, kv_cache_memory_gb=0.01, device="cpu"
+    )
     sparsity = SparsityConfig(policy="snapkv", budget=40, window=8, full_layers=1)
     llm = AsyncLLM(config, sparsity, engine_process=request.param)
     yield llm
