@@ -139,8 +139,11 @@ class EngineDeployment:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | APIError]:
         # An APIError is yielded, not raised: Ray would wrap a raised one in its own error type.
         try:
-            async for chunk in self.worker.generate(request):
-                yield chunk
+            # Closed as soon as this generator is (a caller that went away): the request is
+            # aborted then, not when the stream is collected.
+            async with contextlib.aclosing(self.worker.generate(request)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except APIError as exc:
             yield exc
 

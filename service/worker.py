@@ -119,7 +119,8 @@ class EngineWorker:
     def _validate(
         self, req: GenerateRequest
     ) -> tuple[list[int], SamplingParams, AsyncIterator[RequestOutput]]:
-        """The request's prompt ids, sampling params and engine stream (the request queued)."""
+        """The request's prompt ids, sampling params and engine stream (our engine has queued
+        the request already; vLLM's queues it when the stream is first read)."""
         prompt_ids, param = self._prompt_ids(req)
         params = self._sampling_params(req, len(prompt_ids))
         try:

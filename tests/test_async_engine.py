@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from itertools import pairwise
 
 import pytest
@@ -101,6 +102,42 @@ def test_a_request_is_queued_before_its_stream_is_read_and_closing_it_aborts(eng
         return queued, running
 
     assert asyncio.run(scenario()) == (True, [1])
+
+
+def test_a_stream_dropped_unread_aborts_its_request(engine):
+    params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        unread = engine.generate(list(range(1, 90)), params)
+        await until(lambda: used_blocks(engine) > 0)
+        del unread  # never read, never closed
+        gc.collect()
+        async for out in engine.generate(list(range(1, 40)), params):
+            if len(out.token_ids) >= 50:
+                return engine.stats().num_running
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_closing_a_finished_stream_late_leaves_a_new_request_of_its_id_alone(engine):
+    """A request that finished frees its id at once, even before its consumer reads the last
+    output; the old stream closed after that must not abort the new request of that id."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(1, 50))
+
+    async def scenario():
+        old = engine.generate(prompt, params, request_id="late")
+        for _ in range(500):  # until the old request has finished (its id is free)
+            try:
+                new = engine.generate(prompt, params, request_id="late")
+                break
+            except ValueError:
+                await asyncio.sleep(0.01)
+        await old.aclose()  # its last output never read
+        return [out async for out in new]
+
+    outs = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 4
 
 
 def test_invalid_request_raises_before_streaming(engine):

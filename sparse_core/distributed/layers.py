@@ -68,7 +68,8 @@ class RowParallelLinear(nn.Linear):
         super().__init__(_split(in_features, self.tp_size, "input size"), out_features, bias)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`out`: where to write the result (rows of a larger tensor) instead of a new tensor."""
+        """`out`: where the result goes (rows of a larger tensor): written there by the matmul
+        without tensor parallelism or a bias, copied there otherwise."""
         if self.tp_size == 1 and self.bias is None and out is not None:
             return torch.mm(x, self.weight.t(), out=out)  # no copy into `out`
         if self.tp_size == 1:

@@ -9,8 +9,10 @@ reach it as commands, and each step's outputs come back to the caller's event lo
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import sys
+import weakref
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
@@ -74,8 +76,8 @@ class AsyncLLM:
 
         A bad request raises ValueError here, before anything is queued. Queued at once, a
         request of a burst does not wait for the server to parse the ones that came with it.
-        Closing the stream before its last output (a client that disconnected) aborts the
-        request and frees its blocks; so does dropping a stream that was read from.
+        Closing the stream before its last output (a client that disconnected), or dropping it,
+        read from or not, aborts the request and frees its blocks.
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._in_flight:
@@ -85,7 +87,8 @@ class AsyncLLM:
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
         self._in_flight.add(request_id)
         self._core.send(("add", seq))
-        return RequestStream(self._stream(request_id, queue), lambda: self._abandon(request_id))
+        abandon = functools.partial(self._release, request_id, queue, True)
+        return RequestStream(self._stream(request_id, queue), abandon)
 
     async def _stream(
         self, request_id: str, queue: asyncio.Queue[RequestOutput | BaseException]
@@ -104,15 +107,18 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            if finished:
-                self._streams.pop(request_id, None)
-            else:
-                self._abandon(request_id)
+            self._release(request_id, queue, not finished)
 
-    def _abandon(self, request_id: str) -> None:
-        """A stream closed before its request finished: stop delivering to it, abort the request."""
-        self._streams.pop(request_id, None)
-        self._core.send(("abort", request_id))
+    def _release(self, request_id: str, queue: asyncio.Queue, abort: bool) -> None:
+        """A stream is done with: stop delivering to it and, if its request has not finished,
+        abort it. Only while `queue` is still the id's stream: once a request has finished, a
+        new one may take its id (from any thread: dict operations and command queues)."""
+        target = self._streams.get(request_id)
+        if target is None or target[1] is not queue:
+            return
+        del self._streams[request_id]
+        if abort:
+            self._core.send(("abort", request_id))
 
     def abort(self, request_id: str) -> None:
         self._core.send(("abort", request_id))
@@ -143,28 +149,25 @@ class AsyncLLM:
 class RequestStream:
     """A queued request's outputs (`AsyncLLM.generate`): an async iterator of RequestOutput.
 
-    `aclose()` before the last output aborts the request, read from or not (the generator behind
-    it would run no cleanup before its first step). A stream that was read from is also aborted
-    when dropped: asyncio closes the generator behind it."""
+    Closed (`aclose`) or dropped before its last output, read from or not, it aborts its
+    request: the generator behind it would run no cleanup if it never started."""
 
     def __init__(
         self, outputs: AsyncGenerator[RequestOutput, None], abandon: Callable[[], None]
     ) -> None:
         self._outputs = outputs
-        self._abandon = abandon
-        self._started = False
+        # `abandon` does nothing once the request has finished: call it whenever the stream ends.
+        self._abandon = weakref.finalize(self, abandon)
+        self._abandon.atexit = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
     def __anext__(self) -> Awaitable[RequestOutput]:
-        self._started = True
         return self._outputs.__anext__()
 
     async def aclose(self) -> None:
-        if not self._started:
-            self._started = True  # closing twice aborts once
-            self._abandon()
+        self._abandon()
         await self._outputs.aclose()
 
 

@@ -57,10 +57,10 @@ def early_launch(x: torch.Tensor) -> dict[str, bool]:
     Hopper on: the kernel is launched as the kernel before it finishes (its blocks resident
     early), and waits in `gdc_wait()`, its first statement, until that kernel's writes are
     visible. In a decode step every one of these kernels follows a matmul; the launch's latency,
-    ~1 µs, is what this hides. Off elsewhere and under the interpreter."""
+    ~1 µs, is what this hides. Off elsewhere: older NVIDIA GPUs, ROCm, the interpreter."""
     if not x.is_cuda:
         return {"PDL": False}
-    pdl = _gpu(x.device).major >= 9
+    pdl = torch.version.hip is None and _gpu(x.device).major >= 9
     return {"PDL": pdl, "launch_pdl": pdl}
 
 

@@ -111,6 +111,23 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(real_server):
     assert metric_sum(metrics, "kvsparse_num_requests_running", pool="snapkv-64") == 0
 
 
+def test_a_refused_prompt_aborts_the_ones_before_it_in_its_request(real_server):
+    """Each prompt of a request is queued as it is validated: when a later one is refused, the
+    earlier ones, queued already, are aborted and their blocks freed."""
+    wait_for(lambda: blocks_used(real_server) == 0)
+    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                                finished_reason="abort")  # fmt: skip
+    body = {"model": MODEL, "prompt": [list(range(100, 400)), [10**9]], "max_tokens": 500,
+            "ignore_eos": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {real_server.api_key}"}
+    response = httpx.post(real_server.v1 + "/completions", json=body, headers=headers)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    wait_for(lambda: metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+                                finished_reason="abort") == aborted_before + 1)  # fmt: skip
+    wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
+    assert metric_sum(real_server.metrics(), "kvsparse_num_requests_running", pool="snapkv-64") == 0
+
+
 def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(real_server):
     wait_for(lambda: blocks_used(real_server) == 0)
     aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
