@@ -10,6 +10,9 @@
 #   uncapped       bench throughput, dense / snapkv, no cap
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
+#   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
+#                  run $CHART_CONFIG, rendered beforehand by `serve_chart.py render`) + the same
+#                  sweep; per-replica load from Ray's metrics in $OUT/serve_chart.replicas.json
 #   rate-snapkv    `kvsparse serve` (24 GB cap) + open-loop load at $RATES requests/s (Poisson)
 #   kernels        kernel microbenchmarks (checks every kernel against its reference first)
 #   profile        where a step's time goes (profiler): prefills alone, with running decodes and
@@ -60,13 +63,19 @@ step_uncapped() {
 }
 
 # The server in the background, the load generator against it, then the server stopped.
-# serve_sweep POLICY NAME LOAD_FLAGS...: the report is $OUT/NAME.json.
+# serve_sweep POLICY NAME LOAD_FLAGS...: the report is $OUT/NAME.json. With CHART_CONFIG set the
+# server is the chart's Ray Serve application (its policy is the rendered one).
 serve_sweep() {
-    local policy=$1 name=$2
+    local policy=$1 name=$2 poller=
     shift 2
-    # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
-    python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
-        --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
+    if [ -n "${CHART_CONFIG:-}" ]; then
+        python3 scripts/serve_chart.py run "$CHART_CONFIG" --port "$PORT" \
+            --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
+    else
+        # shellcheck disable=SC2086  # SERVE_ARGS is a list of flags
+        python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
+            --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
+    fi
     local server=$!
     for _ in $(seq 240); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
@@ -74,20 +83,32 @@ serve_sweep() {
         kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/$name.log"; return 1; }
         sleep 1
     done
+    if [ -n "${CHART_CONFIG:-}" ]; then
+        python3 -m service.replica_load --metrics-url http://127.0.0.1:8080/metrics \
+            --output "$OUT/$name.replicas.json" &
+        poller=$!
+    fi
     # shellcheck disable=SC2086  # LOAD_ARGS is a list of flags
     python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" "$@" $LOAD_ARGS \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --token-range "$TOKEN_RANGE" \
         --label "kvsparse $policy" --output "$OUT/$name.json" 2>>"$OUT/$name.log"
     local status=$?
+    [ -z "$poller" ] || { kill -INT "$poller"; wait "$poller"; }
     kill -INT "$server"
     for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
     kill -9 "$server" 2>/dev/null
     wait "$server" 2>/dev/null
+    # The chart's Ray cluster outlives a killed driver: stop it, or the next server finds its port.
+    [ -z "${CHART_CONFIG:-}" ] || ray stop --force >/dev/null 2>&1
     return $status
 }
 
 step_serve-snapkv() { serve_sweep snapkv serve_snapkv --concurrency "$CONCURRENCY"; }
 step_serve-dense() { serve_sweep dense serve_dense --concurrency "$CONCURRENCY"; }
+step_serve-chart() {
+    CHART_CONFIG=${CHART_CONFIG:?render it first: scripts/serve_chart.py render DIR --set ...} \
+        serve_sweep chart "${CHART_NAME:-serve_chart}" --concurrency "$CONCURRENCY"
+}
 step_rate-snapkv() {
     serve_sweep snapkv rate_snapkv --request-rate "$RATES" --num-requests "$NUM_REQUESTS"
 }

@@ -34,6 +34,16 @@ class Chunk:
     finish_reason: str | None = None
     compression_ratio: float = 1.0
 
+    def then(self, later: Chunk) -> Chunk:
+        """This chunk and the one after it, as one."""
+        return Chunk(
+            self.text + later.text,
+            later.num_tokens,
+            later.prompt_tokens,
+            later.finish_reason,
+            later.compression_ratio,
+        )
+
 
 @dataclass
 class RoutingStats:

@@ -12,6 +12,12 @@
 flags. Each engine replica wraps one engine; the ingress runs the same ASGI app as the standalone
 server, with `RayBackend` sending requests to the engine replicas through deployment handles
 routed by `service.router.KVCapacityRouter`.
+
+What keeps it at the standalone server's speed (docs/serving.md, "Ray Serve at full speed"):
+the ingress admits as many requests as `max_inflight_requests` (Serve's own default of 5 would
+hold the rest in its queue), Serve runs in its throughput-optimized mode (`service.ray_env`,
+which also lets the ingress replica take HTTP itself, without Serve's proxy in between), and
+engine replicas stream tokens to the ingress `stream_interval` at a time.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from service.settings import (
     apply_serving_defaults,
     parse_pools,
 )
+from service.streams import every_n_tokens
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig
@@ -56,7 +63,9 @@ class RayAppConfig:
     pools: str | None = None  # "snapkv,dense,snapkv:256": one engine deployment per entry
     served_model_name: str | None = None
     api_key: str | None = None  # else $KVSPARSE_API_KEY in the ingress replicas' environment
-    max_inflight_requests: int = 1024  # per ingress replica
+    # Per ingress replica, beyond which requests get 429; None: 4 x max_num_seqs for each engine
+    # replica the pools can scale to, shared among the ingress replicas.
+    max_inflight_requests: int | None = None
     max_request_bytes: int = 4 * 2**20
     log_prompts: bool = False
     engine_kind: str = "native"  # or "vllm": stock vLLM with kvsparse's plugin
@@ -68,6 +77,11 @@ class RayAppConfig:
     autoscaling_config: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int | None = None  # per replica; default 2 x max_num_seqs
     max_queued_requests: int = 256  # per caller, beyond which requests get 503
+    # Tokens per message from an engine replica to the ingress (the first token goes at once).
+    stream_interval: int = 4
+    # GPUs per engine replica; None: tensor_parallel_size. A fraction (0.5) shares a GPU between
+    # replicas, each within its own gpu_memory_limit_gb (tensor parallel size 1 only).
+    num_gpus_per_replica: float | None = None
     num_cpus_per_replica: float = 1
     routing_stats_period_s: float = 1.0
     ingress_replicas: int = 1
@@ -81,7 +95,10 @@ class RayAppConfig:
             raise ValueError(
                 f"unknown kvsparse Serve argument(s) {unknown}; known: {sorted(known)}"
             )
-        return cls(**args)
+        cfg = cls(**args)
+        if cfg.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {cfg.stream_interval}")
+        return cfg
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration, with a server's defaults where `engine` leaves a field
@@ -92,20 +109,29 @@ class RayAppConfig:
         apply_serving_defaults(engine_args)
         return EngineConfig(**engine_args)
 
+    def ingress_max_inflight(self, engine: EngineConfig, num_pools: int) -> int:
+        """Requests one ingress replica holds at once (running, queued, streaming)."""
+        if self.max_inflight_requests is not None:
+            return self.max_inflight_requests
+        capacity = 4 * engine.max_num_seqs * self.max_replicas * num_pools
+        return max(1, -(-capacity // self.ingress_replicas))
 
-def replica_resources(tensor_parallel_size: int, num_cpus: float, use_gpu: bool) -> dict[str, Any]:
-    """Deployment options reserving a replica's devices.
+
+def replica_resources(
+    tensor_parallel_size: int, num_cpus: float, num_gpus: float | None
+) -> dict[str, Any]:
+    """Deployment options reserving a replica's devices (num_gpus None: no GPU).
 
     The engine runs its tensor-parallel ranks as processes it spawns itself, so a replica with
     tensor parallel size N holds all of them: one placement-group bundle of N GPUs (and N times
     `num_cpus`), packed on one node and visible to the replica.
     """
     actor: dict[str, Any] = {"num_cpus": num_cpus * tensor_parallel_size}
-    if use_gpu:
-        actor["num_gpus"] = tensor_parallel_size
+    if num_gpus is not None:
+        actor["num_gpus"] = num_gpus
     if tensor_parallel_size == 1:
         return {"ray_actor_options": actor}
-    bundle = {"CPU": actor["num_cpus"], **({"GPU": tensor_parallel_size} if use_gpu else {})}
+    bundle = {"CPU": actor["num_cpus"], **({"GPU": num_gpus} if num_gpus is not None else {})}
     return {
         "ray_actor_options": actor,
         "placement_group_bundles": [bundle],
@@ -125,6 +151,7 @@ class EngineDeployment:
         pool: str,
         log_prompts: bool,
         engine_kind: str = "native",
+        stream_interval: int = 1,
     ) -> None:
         from service.worker import EngineWorker
         from sparse_core.config import EngineConfig, SparsityConfig
@@ -135,13 +162,15 @@ class EngineDeployment:
             EngineConfig(**engine), SparsityConfig(**sparsity), recorder, log_prompts, engine_kind
         )
         self._metrics_task = asyncio.create_task(self.worker.publish_metrics_forever())
+        self.stream_interval = stream_interval
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[Chunk | APIError]:
         # An APIError is yielded, not raised: Ray would wrap a raised one in its own error type.
         try:
             # Closed as soon as this generator is (a caller that went away): the request is
             # aborted then, not when the stream is collected.
-            async with contextlib.aclosing(self.worker.generate(request)) as chunks:
+            chunks = every_n_tokens(self.worker.generate(request), self.stream_interval)
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
         except APIError as exc:
@@ -225,22 +254,24 @@ def _uses_gpu(device: str | None) -> bool:
     return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def build_app(args: dict[str, Any]) -> serve.Application:
-    """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
-    from sparse_core.config import SparsityConfig
-
-    cfg = RayAppConfig.from_dict(dict(args))
-    engine = cfg.engine_config()
-    pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
-    served_name = cfg.served_model_name or cfg.model
+def engine_options(cfg: RayAppConfig, engine: EngineConfig) -> dict[str, Any]:
+    """Serve options of each pool's engine deployment."""
     tensor_parallel_size = engine.tensor_parallel_size
+    num_gpus = None
+    if _uses_gpu(engine.device):
+        num_gpus = cfg.num_gpus_per_replica or tensor_parallel_size
+        if tensor_parallel_size > 1 and num_gpus != tensor_parallel_size:
+            raise ValueError(
+                f"num_gpus_per_replica ({num_gpus}) must equal tensor_parallel_size "
+                f"({tensor_parallel_size}): a tensor-parallel replica holds one GPU per rank"
+            )
     autoscaling = {
         **cfg.autoscaling_config,
         "min_replicas": cfg.min_replicas,
         "max_replicas": cfg.max_replicas,
         "target_ongoing_requests": cfg.target_ongoing_requests,
     }
-    options = {
+    return {
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,
         "max_queued_requests": cfg.max_queued_requests,
@@ -249,25 +280,43 @@ def build_app(args: dict[str, Any]) -> serve.Application:
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 5.0),
         ),
-        **replica_resources(
-            tensor_parallel_size, cfg.num_cpus_per_replica, _uses_gpu(engine.device)
-        ),
+        **replica_resources(tensor_parallel_size, cfg.num_cpus_per_replica, num_gpus),
     }
+
+
+def ingress_options(cfg: RayAppConfig, max_inflight: int) -> dict[str, Any]:
+    """Serve options of the ingress deployment: it takes every request it may hold in flight
+    (beyond them it answers 429 itself), so Serve never queues requests in front of it."""
+    return {
+        "num_replicas": cfg.ingress_replicas,
+        "max_ongoing_requests": max_inflight,
+        "ray_actor_options": {"num_cpus": cfg.ingress_num_cpus},
+    }
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
+    from sparse_core.config import SparsityConfig
+
+    cfg = RayAppConfig.from_dict(dict(args))
+    engine = cfg.engine_config()
+    pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
+    served_name = cfg.served_model_name or cfg.model
+    options = engine_options(cfg, engine)
     engines = {}
     for sparsity in pools:
         pool = PoolSpec.of(sparsity).name
         engines[pool] = EngineDeployment.options(name=f"KVSparseEngine-{pool}", **options).bind(
             dataclasses.asdict(engine), dataclasses.asdict(sparsity), served_name, pool,
-            cfg.log_prompts, cfg.engine_kind,
+            cfg.log_prompts, cfg.engine_kind, cfg.stream_interval,
         )  # fmt: skip
+    max_inflight = cfg.ingress_max_inflight(engine, len(pools))
     settings = ServerSettings(
         served_model_name=served_name,
         max_model_len=engine.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         api_key=cfg.api_key,
-        max_inflight_requests=cfg.max_inflight_requests,
+        max_inflight_requests=max_inflight,
         max_request_bytes=cfg.max_request_bytes,
     )
-    return OpenAIIngress.options(
-        num_replicas=cfg.ingress_replicas, ray_actor_options={"num_cpus": cfg.ingress_num_cpus}
-    ).bind(engines, settings)
+    return OpenAIIngress.options(**ingress_options(cfg, max_inflight)).bind(engines, settings)

@@ -48,7 +48,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="requests in flight before new ones get 429 (default: 4 x max-num-seqs per pool; "
-        "with --ray, per ingress replica: 1024)",
+        "with --ray, that per engine replica the pools can scale to)",
     )
     server.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
     server.add_argument("--log-prompts", action="store_true", help="log prompts (off: never)")
@@ -64,6 +64,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--max-ongoing-requests", type=int, default=None)
     ray.add_argument("--max-queued-requests", type=int, default=256)
     ray.add_argument("--num-cpus-per-replica", type=float, default=1)
+    ray.add_argument(
+        "--num-gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs per engine replica (default: tensor-parallel-size); 0.5 puts two on one GPU",
+    )
+    ray.add_argument(
+        "--stream-interval",
+        type=int,
+        default=4,
+        help="tokens per message from an engine replica to the ingress (the first goes at once)",
+    )
     ray.add_argument(
         "--metrics-export-port",
         type=int,
@@ -113,6 +125,9 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
 
 
 def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
+    from service.ray_env import apply_serve_environment
+
+    apply_serve_environment()  # before Ray is imported and its cluster started (which inherits it)
     import ray
     from ray import serve
 
@@ -136,6 +151,8 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         "max_ongoing_requests": args.max_ongoing_requests,
         "max_queued_requests": args.max_queued_requests,
         "num_cpus_per_replica": args.num_cpus_per_replica,
+        "num_gpus_per_replica": args.num_gpus_per_replica,
+        "stream_interval": args.stream_interval,
     }
     if args.max_inflight_requests:
         config["max_inflight_requests"] = args.max_inflight_requests

@@ -39,6 +39,24 @@ async def open_streams(
     return streams
 
 
+async def every_n_tokens(chunks: AsyncIterator[Chunk], n: int) -> AsyncIterator[Chunk]:
+    """`chunks` merged so that each carries at least `n` new tokens (vLLM's `stream_interval`),
+    except the first two (accepted, first token) and the last, which pass at once: time to first
+    token is unchanged, and a stream crossing a process boundary sends n times fewer messages."""
+    pending: Chunk | None = None
+    sent_tokens = 0
+    async with contextlib.aclosing(chunks):  # type: ignore[type-var]
+        async for chunk in chunks:
+            pending = chunk if pending is None else pending.then(chunk)
+            if (
+                pending.num_tokens <= 1
+                or pending.finish_reason is not None
+                or pending.num_tokens - sent_tokens >= n
+            ):
+                yield pending
+                sent_tokens, pending = pending.num_tokens, None
+
+
 async def close_all(streams: list[AsyncIterator[Chunk]]) -> None:
     """Closing a stream aborts its request in the engine and frees its KV blocks."""
     for stream in streams:

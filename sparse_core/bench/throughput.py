@@ -22,7 +22,8 @@ import torch
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import EngineConfig, SparsityConfig
-from sparse_core.engine.llm_engine import LLMEngine, StepRecord, gpu_memory_outside_torch
+from sparse_core.engine.gpu_memory import peak_process_gpu_bytes
+from sparse_core.engine.llm_engine import LLMEngine, StepRecord
 from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
 
@@ -44,9 +45,9 @@ class RunResult:
     kv_blocks: dict[str, int]  # blocks per layer group
     kv_cache_gib: float
     # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
-    # included) plus what lies outside it at the end of the run (the CUDA context, and any other
-    # process's memory): the figure to hold against --gpu-memory-limit-gb. Tensor parallel:
-    # rank 0's. None on CPU.
+    # included) plus what the process holds outside it at the end of the run (the CUDA context;
+    # sparse_core/engine/gpu_memory.py): the figure to hold against --gpu-memory-limit-gb. Tensor
+    # parallel: rank 0's. None on CPU.
     peak_gpu_memory_gib: float | None
     prefill_s_per_4k_tokens: float  # steps with a prefill, their decode rows included
     # Wall time in steps with a prefill, in decode-only steps, and between steps (host work).
@@ -154,7 +155,7 @@ def run_one(
     stats = engine.stats()
     peak_memory = None
     if on_gpu:
-        peak_memory = torch.cuda.max_memory_reserved() + gpu_memory_outside_torch(runner.device)
+        peak_memory = peak_process_gpu_bytes(runner.device)
     result = RunResult(
         label=label,
         num_prompts=num_prompts,

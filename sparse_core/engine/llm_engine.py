@@ -16,6 +16,7 @@ from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
+from sparse_core.engine.gpu_memory import gpu_memory_outside_torch
 from sparse_core.engine.model_runner import ModelRunner, resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
@@ -211,6 +212,9 @@ class LLMEngine:
                 config.tensor_parallel_size,
             )
         kv = int(limit - weights - activations - outside_torch - graphs)
+        # Other processes on the GPU (another engine replica sharing it) leave only what is free.
+        free = torch.cuda.mem_get_info(device)[0]
+        kv = min(kv, int(free - activations - graphs - LATE_RUNTIME_BYTES))
         logger.info(
             "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "
             "graphs %.2f + KV cache %.2f",
@@ -438,13 +442,6 @@ class LLMEngine:
         """No block leaked or owned twice in any pool (used by tests)."""
         live = self.scheduler.running
         self.block_manager.check_invariants(live)
-
-
-def gpu_memory_outside_torch(device: torch.device) -> int:
-    """Bytes in use on the GPU beyond torch's allocator: the CUDA context, cuBLAS workspaces, and
-    whatever other processes hold."""
-    free, total = torch.cuda.mem_get_info(device)
-    return (total - free) - torch.cuda.memory_reserved(device)
 
 
 def _stop_workers(workers: TensorParallelWorkers | None) -> None:

@@ -164,6 +164,33 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
     assert cfg.engine_kind == ("vllm" if name == "vllm-engine" else "native")
 
 
+def test_serve_runs_at_the_engines_capacity(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """Nothing in front of the engines holds requests back: the ingress takes as many as every
+    engine replica can run (and more, to queue them itself), and every Ray container runs Serve
+    in the environment `kvsparse serve --ray` sets."""
+    from service.ray_app import RayAppConfig, ingress_options
+    from service.ray_env import SERVE_ENVIRONMENT
+
+    _, docs = rendered
+    (rs,) = by_kind(docs, "RayService")
+    cfg = RayAppConfig.from_dict(serve_app(rs)["args"])
+    engine = cfg.engine_config()
+    pools = len(cfg.pools.split(",")) if cfg.pools else 1
+    inflight = cfg.ingress_max_inflight(engine, pools)
+    capacity = engine.max_num_seqs * cfg.max_replicas * pools
+    assert inflight * cfg.ingress_replicas >= capacity
+    assert ingress_options(cfg, inflight)["max_ongoing_requests"] == inflight
+    assert cfg.stream_interval == 4
+    cluster = rs["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        (container,) = pod["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert SERVE_ENVIRONMENT.items() <= env.items(), container["name"]
+
+
 def test_default_pod_placement(helm: str) -> None:
     (rs,) = by_kind(render(helm, {}), "RayService")
     spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]

@@ -47,16 +47,20 @@ def test_a_replica_without_a_report_counts_as_empty():
 
 
 def test_one_rank_replica_reserves_its_cpus_and_gpu():
-    assert replica_resources(1, 2, use_gpu=False) == {"ray_actor_options": {"num_cpus": 2}}
-    assert replica_resources(1, 2, use_gpu=True) == {
+    assert replica_resources(1, 2, num_gpus=None) == {"ray_actor_options": {"num_cpus": 2}}
+    assert replica_resources(1, 2, num_gpus=1) == {
         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1}
+    }
+    # Two replicas sharing one GPU.
+    assert replica_resources(1, 2, num_gpus=0.5) == {
+        "ray_actor_options": {"num_cpus": 2, "num_gpus": 0.5}
     }
 
 
 def test_tensor_parallel_replica_reserves_its_gpus_in_one_placement_group_bundle():
-    options = replica_resources(4, 2, use_gpu=True)
+    options = replica_resources(4, 2, num_gpus=4)
     assert options["placement_group_bundles"] == [{"CPU": 8, "GPU": 4}]
     assert options["placement_group_strategy"] == "STRICT_PACK"
     assert options["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 4}
-    on_cpu = replica_resources(2, 1, use_gpu=False)  # ranks as processes (gloo)
+    on_cpu = replica_resources(2, 1, num_gpus=None)  # ranks as processes (gloo)
     assert on_cpu["placement_group_bundles"] == [{"CPU": 2}]

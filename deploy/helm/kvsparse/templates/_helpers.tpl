@@ -49,6 +49,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if ne .Values.engineKind "native" }}
 {{- $_ := set $args "engine_kind" .Values.engineKind -}}
 {{- end }}
+{{- $_ := set $args "stream_interval" (int .Values.serve.streamInterval) -}}
+{{- if not (kindIs "invalid" .Values.serve.maxInflightRequests) }}
+{{- $_ := set $args "max_inflight_requests" (int .Values.serve.maxInflightRequests) -}}
+{{- end }}
 {{- if not (kindIs "invalid" .Values.serve.maxOngoingRequests) }}
 {{- $_ := set $args "max_ongoing_requests" (int .Values.serve.maxOngoingRequests) -}}
 {{- end }}
@@ -72,6 +76,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     secretKeyRef:
       name: {{ .Values.serve.apiKeySecret.name }}
       key: {{ .Values.serve.apiKeySecret.key }}
+{{- end }}
+{{- range $k, $v := .Values.serve.rayServeEnv }}
+- name: {{ $k }}
+  value: {{ $v | quote }}
 {{- end }}
 {{- range $k, $v := .Values.ncclEnv }}
 - name: {{ $k }}

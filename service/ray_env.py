@@ -1,0 +1,19 @@
+"""The environment Ray Serve runs kvsparse in (no Ray import here: it must be set first)."""
+
+from __future__ import annotations
+
+import os
+
+# Environment of every process of the Ray cluster (controller, proxies, replicas), read when Ray
+# Serve is imported there: `kvsparse serve --ray` sets it before it starts its cluster, the Helm
+# chart and k8s/ in every Ray container. Throughput-optimized mode runs replica code on the event
+# loop instead of a thread, buffers access logs, sends requests between deployments over gRPC, and
+# serves HTTP from the ingress replicas directly.
+SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+
+
+def apply_serve_environment() -> None:
+    """SERVE_ENVIRONMENT in this process's environment (what it starts inherits it), where the
+    user has not set a variable already."""
+    for name, value in SERVE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)

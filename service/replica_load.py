@@ -1,0 +1,96 @@
+"""How load spreads over engine replicas, read from Ray's metrics while a benchmark runs.
+
+    python -m service.replica_load --metrics-url http://127.0.0.1:8080/metrics --output F.json
+
+Polls the Prometheus text of a Ray node until interrupted (SIGINT), then writes and prints, per
+engine replica: requests finished meanwhile, the most requests running and waiting at once, and
+the highest KV use of its fullest layer group. Samples where one replica ran nothing while
+another had requests waiting are counted: the KV-capacity router should leave none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import time
+from collections import defaultdict
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+PREFIX = "ray_kvsparse_"
+
+
+def sample(text: str) -> dict[str, dict[str, float]]:
+    """replica -> {metric name (prefix dropped, sums over other labels), ...}; KV use as
+    `kv_used_fraction`, of the fullest layer group."""
+    values: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    kv: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            replica = s.labels.get("replica")
+            if replica is None or not s.name.startswith(PREFIX):
+                continue
+            name = s.name.removeprefix(PREFIX)
+            if name in ("kv_blocks_used", "kv_blocks_free"):
+                kv[replica, s.labels.get("group", "")][name] = s.value
+            else:
+                values[replica][name] += s.value
+    for (replica, _), blocks in kv.items():
+        total = blocks.get("kv_blocks_used", 0) + blocks.get("kv_blocks_free", 0)
+        used = blocks.get("kv_blocks_used", 0) / total if total else 0.0
+        values[replica]["kv_used_fraction"] = max(values[replica]["kv_used_fraction"], used)
+    return values
+
+
+def summarize(samples: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    replicas = sorted({r for s in samples for r in s})
+    finished = "requests_finished_total"
+    per_replica = {}
+    for r in replicas:
+        seen = [s[r] for s in samples if r in s]
+        per_replica[r] = {
+            "requests_finished": seen[-1].get(finished, 0) - seen[0].get(finished, 0),
+            "max_running": max(v.get("num_requests_running", 0) for v in seen),
+            "max_waiting": max(v.get("num_requests_waiting", 0) for v in seen),
+            "max_kv_used_fraction": round(max(v.get("kv_used_fraction", 0) for v in seen), 3),
+        }
+    idle_while_queued = sum(
+        1
+        for s in samples
+        if any(v.get("num_requests_running", 0) == 0 for v in s.values())
+        and any(v.get("num_requests_waiting", 0) > 0 for v in s.values())
+    )
+    return {"samples": len(samples), "idle_while_another_queued": idle_while_queued,
+            "replicas": per_replica}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--metrics-url", required=True)
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args()
+    stop = False
+
+    def interrupt(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGINT, interrupt)
+    samples = []
+    while not stop:
+        with contextlib.suppress(httpx.HTTPError):  # the exporter starts after the cluster
+            samples.append(sample(httpx.get(args.metrics_url, timeout=5).text))
+        time.sleep(args.interval)
+    report = summarize([s for s in samples if s])
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""What this process holds on a GPU, CUDA context included.
+
+`EngineConfig.gpu_memory_limit_gb` caps the whole process (torch's allocator, the CUDA context,
+library workspaces), as a card of that size would hold it. Where NVML can say what each process
+holds, other processes on the same GPU (a second engine replica sharing it) do not count against
+the cap; they only take from the memory that is free. Where it cannot, everything in use on the
+GPU beyond torch's allocator is counted as this process's, which can only err on the safe side.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def process_gpu_bytes(device: torch.device) -> int | None:
+    """Bytes NVML reports for this process on `device`, or None where it cannot tell (no NVML,
+    no per-process accounting, or the process not listed yet)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            uuid = torch.cuda.get_device_properties(index).uuid
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                    return int(proc.usedGpuMemory)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or refusing per-process queries (some VMs, containers)
+        return None
+    return None
+
+
+def gpu_memory_outside_torch(device: torch.device) -> int:
+    """Bytes this process holds on the GPU beyond torch's allocator: the CUDA context and library
+    workspaces (all memory in use beyond the allocator, where NVML cannot tell processes apart)."""
+    reserved = torch.cuda.memory_reserved(device)
+    own = process_gpu_bytes(device)
+    if own is not None:
+        return max(own - reserved, 0)
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) - reserved
+
+
+def peak_process_gpu_bytes(device: torch.device) -> int:
+    """This process's peak on the GPU: torch's allocator at its peak (CUDA graph pools included)
+    plus what it holds outside the allocator now."""
+    return torch.cuda.max_memory_reserved(device) + gpu_memory_outside_torch(device)
