@@ -8,6 +8,7 @@
 #                  its own process, as servers run it)
 #   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
 #   uncapped       bench throughput, dense / snapkv, no cap
+#   cap24-fp8      bench throughput, dense / snapkv with FP8 weights (--quantization fp8), 24 GB cap
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
@@ -23,6 +24,7 @@
 #   vllm-cap24     stock vLLM: offline throughput under the same cap, then its concurrency sweep
 #   vllm-sweep     stock vLLM: only its concurrency sweep under the same cap
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
+#   vllm-fp8       stock vLLM with FP8 weights and FP8 KV cache: offline throughput under the cap
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
 # serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
@@ -55,6 +57,12 @@ step_cap24() {
     python3 -m service.cli bench throughput --policies dense,snapkv,pyramid \
         --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_cap24.json" 2>"$OUT/throughput_cap24.log"
+}
+
+step_cap24-fp8() {
+    python3 -m service.cli bench throughput --policies dense,snapkv --quantization fp8 \
+        --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
+        --json "$OUT/throughput_cap24_fp8.json" 2>"$OUT/throughput_cap24_fp8.log"
 }
 
 step_uncapped() {
@@ -162,6 +170,12 @@ step_vllm-sweep() {
     LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
         | grep '^{"vllm_ttft_sweep"' >"$OUT/vllm_sweep.json"
     cat "$OUT/vllm_sweep.json"
+}
+
+step_vllm-fp8() {
+    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" --kv-cache-dtype fp8 \
+        --quantization fp8 2>&1 | tee "$OUT/vllm_cap24_fp8.log" | tail -1 >"$OUT/vllm_cap24_fp8.json"
+    cat "$OUT/vllm_cap24_fp8.json"
 }
 
 step_vllm-uncapped() {

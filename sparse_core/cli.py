@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from sparse_core.config import POLICIES, POOLINGS, EngineConfig, SparsityConfig
+from sparse_core.config import POLICIES, POOLINGS, QUANTIZATIONS, EngineConfig, SparsityConfig
 from sparse_core.policy import has_profile
 
 
@@ -56,6 +56,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if present)"
     )
     engine.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    engine.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: linear layers' weights in FP8 e4m3 (per-channel scales, quantized at load), "
+        "activations per token (needs compute capability 8.9+, e.g. RTX 4090, H100)",
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
         "--step-log",
@@ -151,6 +158,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         seed=args.seed,
         step_log=args.step_log,
     )

@@ -9,6 +9,7 @@ from typing import Any
 POLICIES = ("dense", "snapkv", "pyramid", "streamingllm", "random")
 POOLINGS = ("avg", "max", "none")
 GQA_REDUCTIONS = ("mean", "max")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -159,6 +160,11 @@ class EngineConfig:
     tensor_parallel_size: ranks (GPUs; processes on CPU) that split each layer's heads, MLP and
       vocabulary; on CUDA rank r runs on GPU `device index + r`. Memory settings
       (kv_cache_memory_gb, gpu_memory_*) are per rank.
+    quantization: None (weights in `dtype`) or "fp8": the linear layers' weights in FP8 e4m3
+      with one scale per output channel, quantized at load, and activations quantized per token
+      on the fly (vLLM's `--quantization fp8`); the embeddings and the LM head stay in `dtype`.
+      Needs FP8 tensor cores on a GPU (compute capability 8.9+: Ada such as the RTX 4090,
+      Hopper); on a CPU it runs through the float32 reference (sparse_core/kernels/fp8.py).
     step_log: a file to append every step to, one JSON line each (sparse_core/engine/step_log.py):
       when it ended (Unix time), the engine's policy and budget, what it ran, its wall time and
       host launch time, whether it was launched ahead, and the host time it spent in kernels'
@@ -184,6 +190,7 @@ class EngineConfig:
     max_prefill_graph_tokens: int | None = None
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = None
     step_log: str | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -191,6 +198,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; expected one of {QUANTIZATIONS} "
+                f"(or None for weights in the model's dtype)"
+            )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 8192)
         if self.max_prefill_graph_tokens is None:

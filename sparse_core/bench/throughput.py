@@ -21,7 +21,7 @@ import torch
 
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
-from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.config import QUANTIZATIONS, EngineConfig, SparsityConfig
 from sparse_core.engine.gpu_memory import peak_process_gpu_bytes
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
 from sparse_core.engine.model_runner import use_one_host_thread
@@ -241,6 +241,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     add_graph_args(parser)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     parser.add_argument("--json", default=None, help="write all results here")
 
 
@@ -269,9 +270,11 @@ def main(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             max_prefill_graph_tokens=args.max_prefill_graph_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=args.quantization,
         )
+        weights = f" {args.quantization}" if args.quantization else ""
         result = run_one(
-            f"{policy} {cap}",
+            f"{policy}{weights} {cap}",
             config,
             sparsity_for(policy, args.budget, args.window, args.full_layers),
             args.num_prompts,

@@ -13,6 +13,12 @@ from torch import nn
 
 from sparse_core.distributed.communication import all_gather, all_reduce
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
+from sparse_core.kernels.fp8 import (
+    FP8_DTYPE,
+    fp8_linear_cuda,
+    fp8_linear_reference,
+    quantize_rows,
+)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -40,7 +46,32 @@ def _split(size: int, tp_size: int, what: str) -> int:
     return size // tp_size
 
 
-class ColumnParallelLinear(nn.Linear):
+class QuantizableLinear(nn.Linear):
+    """A linear layer (no bias in its matmul) whose weight can be turned into FP8 after loading
+    (`quantize_fp8`: e4m3 with one scale per output row of this rank; sparse_core/kernels/fp8.py)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.weight_scale: torch.Tensor | None = None  # (out, 1) float32 once quantized
+
+    def quantize_fp8(self) -> None:
+        weight_fp8, scale = quantize_rows(self.weight.data)
+        self.weight = nn.Parameter(weight_fp8, requires_grad=False)
+        self.weight_scale = scale
+
+    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight^T, into `out` if given."""
+        if self.weight.dtype == FP8_DTYPE:
+            if x.device.type == "cuda":
+                return fp8_linear_cuda(x, self.weight, self.weight_scale, out)
+            y = fp8_linear_reference(x, self.weight, self.weight_scale)
+            return y if out is None else out.copy_(y)
+        if out is not None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return F.linear(x, self.weight)
+
+
+class ColumnParallelLinear(QuantizableLinear):
     """Output features split over ranks; each rank computes its slice, no communication.
 
     `output_sizes` are the full sizes of the projections fused into this layer (q, k, v or
@@ -54,13 +85,17 @@ class ColumnParallelLinear(nn.Linear):
         self.output_sizes = [_split(s, self.tp_size, "output size") for s in output_sizes]
         super().__init__(in_features, sum(self.output_sizes), bias=bias)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.matmul(x)
+        return y if self.bias is None else y + self.bias
+
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
         """Copy this rank's rows of fused part `index` (weight or bias) from the full tensor."""
         dst = param.split(self.output_sizes, dim=0)[index]
         copy_checked(dst, shard(full, 0, self.tp_rank, self.tp_size, name), name)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(QuantizableLinear):
     """Input features split over ranks; the partial outputs are summed (one all-reduce)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -70,13 +105,12 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where the result goes (rows of a larger tensor): written there by the matmul
         without tensor parallelism or a bias, copied there otherwise."""
-        if self.tp_size == 1 and self.bias is None and out is not None:
-            return torch.mm(x, self.weight.t(), out=out)  # no copy into `out`
-        if self.tp_size == 1:
-            y = super().forward(x)
-        else:
-            y = all_reduce(F.linear(x, self.weight))
-            y = y if self.bias is None else y + self.bias  # the bias once, after the sum
+        if self.tp_size == 1 and self.bias is None:
+            return self.matmul(x, out)  # bf16: written into `out` by the matmul, no copy
+        y = self.matmul(x)
+        if self.tp_size > 1:
+            y = all_reduce(y)
+        y = y if self.bias is None else y + self.bias  # the bias once, after the sum
         return y if out is None else out.copy_(y)
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:

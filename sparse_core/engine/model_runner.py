@@ -40,6 +40,7 @@ from sparse_core.models.attention import (
 from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
+from sparse_core.models.quantization import check_fp8_device, quantize_linear_layers
 from sparse_core.policy import LayerPlan, PromptBatch
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ class ModelRunner:
                 f"max_model_len ({config.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
+        if config.quantization == "fp8":
+            check_fp8_device(self.device)
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
         # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
@@ -154,6 +157,8 @@ class ModelRunner:
             self.model.load_weights(source.weights)
         else:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
+        if config.quantization == "fp8":
+            quantize_linear_layers(self.model)
         self.model.eval()
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None

@@ -1,0 +1,69 @@
+"""FP8 (e4m3) linear layers: weights with one scale per output channel, activations with one
+scale per token computed on the fly ("FP8-Dynamic", vLLM's `--quantization fp8`).
+
+On GPUs with FP8 tensor cores (compute capability 8.9: Ada, e.g. the RTX 4090; 9.0: Hopper) the
+matmul runs through `torch._scaled_mm` (cuBLASLt) with row-wise scales and a bf16/fp16 output.
+Everywhere else `fp8_linear_reference` dequantizes and multiplies in float32: the CPU path and
+the oracle of the GPU one. Both quantize the activations the same way, so they differ only by the
+matmul's rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# Scales never go below this: an all-zero row (weights, or a padding token's activations) would
+# otherwise divide by zero.
+MIN_SCALE = 1e-12
+
+
+def supports_fp8(device: torch.device) -> bool:
+    """Whether `device` runs FP8 matmuls natively (else the reference path is used: on CPU for
+    tests; on an older GPU, refused at start-up because it would be slower than bf16)."""
+    if device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of a 2-D tensor in e4m3 with its own float32 scale: (x_fp8, scale (rows, 1)),
+    x ~= x_fp8 * scale. The largest magnitude of a row maps to 448."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    x_fp8 = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return x_fp8, scale
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
+    """y = x @ W^T with W = weight (out, in) e4m3 x weight_scale (out, 1), x quantized per token;
+    dequantized and computed in float32, returned in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quantize_rows(rows)
+    w = weight.float() * weight_scale
+    y = (x_fp8.float() * x_scale) @ w.t()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The same product on FP8 tensor cores; `out` (rows, out features) receives it if given."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quantize_rows(rows)
+    y = torch._scaled_mm(
+        x_fp8,
+        weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=x.dtype,
+    )
+    if out is not None:
+        return out.copy_(y)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,32 @@
+"""`EngineConfig.quantization`: turning a loaded model's linear layers into FP8."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparse_core.distributed.layers import QuantizableLinear
+from sparse_core.kernels.fp8 import supports_fp8
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 runs on FP8 tensor cores, or on the CPU through the reference (for tests); a GPU
+    without them is refused at start-up rather than run slower than bf16."""
+    if device.type == "cuda" and not supports_fp8(device):
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"quantization='fp8' needs a GPU with FP8 tensor cores (compute capability 8.9 or "
+            f"higher: Ada such as the RTX 4090, Hopper); {name} has {major}.{minor}"
+        )
+
+
+def quantize_linear_layers(model: nn.Module) -> int:
+    """Every QuantizableLinear (the attention and MLP projections) to FP8 weights, one scale per
+    output row; the embeddings and the LM head stay as they are. Returns the layers converted."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
+    for layer in layers:
+        layer.quantize_fp8()
+    if any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()  # the bf16 weights' memory back to the device
+    return len(layers)

@@ -1,0 +1,114 @@
+"""FP8 weights (`quantization="fp8"`): the float32 reference against float64, the GPU matmul
+against the reference, and the engine on the built-in model against its unquantized self."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_core import LLM, EngineConfig, SamplingParams
+from sparse_core.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from sparse_core.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    fp8_linear_cuda,
+    fp8_linear_reference,
+    quantize_rows,
+    supports_fp8,
+)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_rows_are_scaled_to_the_e4m3_range_and_zero_rows_stay_finite():
+    x = torch.randn(6, 64) * torch.logspace(-3, 3, 6).unsqueeze(1)
+    x[2] = 0
+    x_fp8, scale = quantize_rows(x)
+    assert x_fp8.dtype == FP8_DTYPE and scale.shape == (6, 1)
+    top = x_fp8.float().abs().amax(dim=1)
+    assert torch.equal(top[[0, 1, 3, 4, 5]], torch.full((5,), FP8_MAX))
+    assert torch.isfinite(x_fp8.float() * scale).all() and (x_fp8.float()[2] == 0).all()
+    assert rel_err(x_fp8.float() * scale, x) < 0.05  # 3 mantissa bits: ~2^-4 per element
+
+
+def test_reference_is_the_dequantized_product_and_close_to_the_exact_one():
+    x, w = torch.randn(5, 3, 128), torch.randn(96, 128)
+    w_fp8, w_scale = quantize_rows(w)
+    y = fp8_linear_reference(x, w_fp8, w_scale)
+    assert y.shape == (5, 3, 96)
+    x_fp8, x_scale = quantize_rows(x.reshape(-1, 128))
+    exact_dequantized = (x_fp8.double() * x_scale.double()) @ (w_fp8.double() * w_scale).t()
+    assert rel_err(y.reshape(-1, 96), exact_dequantized) < 1e-5
+    assert rel_err(y, x @ w.t()) < 0.06
+
+
+@pytest.mark.parametrize("tp_layer", ["column", "row"])
+def test_quantized_layers_compute_the_reference(tp_layer):
+    torch.manual_seed(0)
+    if tp_layer == "column":
+        layer = ColumnParallelLinear(64, [32, 16], bias=True)
+    else:
+        layer = RowParallelLinear(64, 48, bias=False)
+    x = torch.randn(7, 64)
+    with torch.no_grad():
+        before = layer(x)
+        layer.quantize_fp8()
+        after = layer(x)
+    assert layer.weight.dtype == FP8_DTYPE
+    bias = 0 if layer.bias is None else layer.bias
+    expected = fp8_linear_reference(x, layer.weight, layer.weight_scale) + bias
+    assert torch.allclose(after, expected)
+    assert rel_err(after, before) < 0.06
+    if tp_layer == "row":  # the MLP's down projection writes into rows of a larger tensor
+        out = torch.full((9, 48), float("nan"))
+        layer(x, out=out[1:8])
+        assert torch.allclose(out[1:8], after) and out[[0, 8]].isnan().all()
+
+
+def test_unknown_quantization_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown quantization 'int4'.*'fp8'"):
+        EngineConfig(quantization="int4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not supports_fp8(torch.device("cuda")),
+    reason="needs a GPU with FP8 tensor cores",
+)
+@pytest.mark.parametrize("rows", [1, 20, 333, 4096])
+def test_scaled_mm_matches_the_reference(rows):
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w_fp8, w_scale = quantize_rows(torch.randn(1536, 4096, device="cuda", dtype=torch.bfloat16))
+    expected = fp8_linear_reference(x.float(), w_fp8, w_scale)
+    out = torch.full((rows + 2, 1536), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = fp8_linear_cuda(x, w_fp8, w_scale, out=out[1:-1])
+    assert rel_err(y, expected) < 1e-2  # bf16 output
+    assert not out[1:-1].isnan().any() and out[[0, -1]].isnan().all()
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Explain why the sky is blue.",
+    "Translate 'good morning' to Spanish:",
+]
+
+
+def test_fp8_weights_keep_most_greedy_tokens_of_the_built_in_model():
+    """Teacher-forced: the FP8 model's greedy choice after each prefix of the unquantized
+    model's own output (a first difference would otherwise make every later token differ)."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    with LLM(model="smollm2-135m-instruct", max_model_len=256) as llm:
+        reference = [o.token_ids for o in llm.generate(PROMPTS, params)]
+        prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    with LLM(model="smollm2-135m-instruct", max_model_len=256, quantization="fp8") as llm:
+        prefixes = [ids + ref[:i] for ids, ref in zip(prompt_ids, reference) for i in range(len(ref))]
+        chosen = [o.token_ids[0] for o in llm.generate(prefixes, one)]
+    expected = [t for ref in reference for t in ref]
+    agreement = sum(a == b for a, b in zip(chosen, expected)) / len(expected)
+    assert agreement >= 0.8, f"FP8 weights chose the unquantized model's token {agreement:.0%}"
