@@ -68,7 +68,7 @@ def test_quantized_layers_compute_the_reference(tp_layer):
 
 
 def test_unknown_quantization_is_refused_by_name():
-    with pytest.raises(ValueError, match="unknown quantization 'int4'.*'fp8'"):
+    with pytest.raises(ValueError, match=r"unknown quantization 'int4'.*'fp8'"):
         EngineConfig(quantization="int4")
 
 
@@ -107,8 +107,12 @@ def test_fp8_weights_keep_most_greedy_tokens_of_the_built_in_model():
         prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     one = SamplingParams(max_tokens=1, temperature=0.0)
     with LLM(model="smollm2-135m-instruct", max_model_len=256, quantization="fp8") as llm:
-        prefixes = [ids + ref[:i] for ids, ref in zip(prompt_ids, reference) for i in range(len(ref))]
+        prefixes = [
+            ids + ref[:i]
+            for ids, ref in zip(prompt_ids, reference, strict=True)
+            for i in range(len(ref))
+        ]
         chosen = [o.token_ids[0] for o in llm.generate(prefixes, one)]
     expected = [t for ref in reference for t in ref]
-    agreement = sum(a == b for a, b in zip(chosen, expected)) / len(expected)
+    agreement = sum(a == b for a, b in zip(chosen, expected, strict=True)) / len(expected)
     assert agreement >= 0.8, f"FP8 weights chose the unquantized model's token {agreement:.0%}"
