@@ -54,9 +54,12 @@ def fp8_linear_cuda(
     weight_scale: torch.Tensor,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same product on FP8 tensor cores; `out` (rows, out features) receives it if given."""
+    """The same product on FP8 tensor cores, the activations quantized by one Triton kernel;
+    `out` (rows, out features) receives it if given."""
+    from sparse_core.kernels import triton_fp8
+
     rows = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scale = quantize_rows(rows)
+    x_fp8, x_scale = triton_fp8.quantize_rows(rows)
     y = torch._scaled_mm(
         x_fp8,
         weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand

@@ -1,0 +1,52 @@
+"""Per-token FP8 quantization of activations in one kernel (sparse_core/kernels/fp8.py's
+`quantize_rows`, which takes eight torch kernels: conversions, abs, max, divide, clamps, cast).
+
+One program per row: a pass for the row's largest magnitude, then a pass that scales, clamps and
+stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
+thousand small launches with one per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, out_ptr, scale_ptr, num_cols, stride_x, stride_out,
+    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, num_cols, BLOCK):
+        mask = start + cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, num_cols, BLOCK):
+        mask = start + cols < num_cols
+        x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
+        q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
+        tl.store(out_ptr + row * stride_out + start + cols, q.to(tl.float8e4nv), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as sparse_core.kernels.fp8.quantize_rows for a 2-D tensor with unit column
+    stride: (x_fp8, scale (rows, 1) float32)."""
+    rows, cols = x.shape
+    assert x.stride(1) == 1, "columns must be contiguous"
+    out = torch.empty((rows, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        block = min(triton.next_power_of_2(cols), 2048)
+        _quantize_rows_kernel[(rows,)](
+            x, out, scale, cols, x.stride(0), out.stride(0),
+            FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out, scale
