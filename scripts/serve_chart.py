@@ -3,11 +3,12 @@
     python3 scripts/serve_chart.py render DIR [--set KEY=VALUE ...] [--set-json KEY=JSON ...]
     python3 scripts/serve_chart.py run DIR [--port 8000] [--metrics-port 8080] [--step-log PATH]
 
-`render` (needs helm) runs `helm template` on deploy/helm/kvsparse with the given values and writes what the
-RayService holds: the Serve config (`serve_config.json`: import path and builder arguments) and
-the plain environment of the Ray containers (`env.json`). `run` starts a local Ray cluster in
-that environment and runs that application, as KubeRay would from the RayService; it serves until
-interrupted. The GPU benchmarks (scripts/bench_gpu.sh, SERVER=chart) serve through it.
+`render` (needs helm) runs `helm template` on deploy/helm/kvsparse with the given values and
+writes what the RayService holds: the Serve config (`serve_config.json`: import path and builder
+arguments) and the plain environment of the Ray containers (`env.json`). `run` starts a local Ray
+cluster in that environment and runs that application, as KubeRay would from the RayService; it
+serves until interrupted. The GPU benchmarks serve through it (`CHART_CONFIG=DIR bash
+scripts/bench_gpu.sh serve-chart`).
 """
 
 from __future__ import annotations

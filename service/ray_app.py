@@ -95,10 +95,11 @@ class RayAppConfig:
             raise ValueError(
                 f"unknown kvsparse Serve argument(s) {unknown}; known: {sorted(known)}"
             )
-        cfg = cls(**args)
-        if cfg.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {cfg.stream_interval}")
-        return cfg
+        return cls(**args)
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration, with a server's defaults where `engine` leaves a field
@@ -151,7 +152,7 @@ class EngineDeployment:
         pool: str,
         log_prompts: bool,
         engine_kind: str = "native",
-        stream_interval: int = 1,
+        stream_interval: int = RayAppConfig.stream_interval,
     ) -> None:
         from service.worker import EngineWorker
         from sparse_core.config import EngineConfig, SparsityConfig

@@ -172,12 +172,14 @@ def test_serve_runs_at_the_engines_capacity(
     in the environment `kvsparse serve --ray` sets."""
     from service.ray_app import RayAppConfig, ingress_options
     from service.ray_env import SERVE_ENVIRONMENT
+    from service.settings import parse_pools
+    from sparse_core.config import SparsityConfig
 
     _, docs = rendered
     (rs,) = by_kind(docs, "RayService")
     cfg = RayAppConfig.from_dict(serve_app(rs)["args"])
     engine = cfg.engine_config()
-    pools = len(cfg.pools.split(",")) if cfg.pools else 1
+    pools = len(parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity)))
     inflight = cfg.ingress_max_inflight(engine, pools)
     capacity = engine.max_num_seqs * cfg.max_replicas * pools
     assert inflight * cfg.ingress_replicas >= capacity
