@@ -7,7 +7,14 @@ import json
 import sys
 import time
 
-from sparse_core.config import POLICIES, POOLINGS, QUANTIZATIONS, EngineConfig, SparsityConfig
+from sparse_core.config import (
+    KV_CACHE_DTYPES,
+    POLICIES,
+    POOLINGS,
+    QUANTIZATIONS,
+    EngineConfig,
+    SparsityConfig,
+)
 from sparse_core.policy import has_profile
 
 
@@ -62,6 +69,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="fp8: linear layers' weights in FP8 e4m3 (per-channel scales, quantized at load), "
         "activations per token (needs compute capability 8.9+, e.g. RTX 4090, H100)",
+    )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3): e4m3 pages, half the "
+        "bytes of bf16, one K and one V scale per layer (needs compute capability 8.9+)",
     )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument(
@@ -159,6 +173,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         step_log=args.step_log,
     )

@@ -10,6 +10,8 @@ POLICIES = ("dense", "snapkv", "pyramid", "streamingllm", "random")
 POOLINGS = ("avg", "max", "none")
 GQA_REDUCTIONS = ("mean", "max")
 QUANTIZATIONS = ("fp8",)
+# vLLM's names: "auto" is the model's dtype; "fp8" and "fp8_e4m3" are the same e4m3 cache.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -165,6 +167,12 @@ class EngineConfig:
       on the fly (vLLM's `--quantization fp8`); the embeddings and the LM head stay in `dtype`.
       Needs FP8 tensor cores on a GPU (compute capability 8.9+: Ada such as the RTX 4090,
       Hopper); on a CPU it runs through the float32 reference (sparse_core/kernels/fp8.py).
+    kv_cache_dtype: "auto" (the KV cache in `dtype`) or "fp8" / "fp8_e4m3" (vLLM's
+      `--kv-cache-dtype fp8`): every layer group's pages hold e4m3, half the bytes of bf16, with
+      one scale for K and one for V per layer (sparse_core/kernels/fp8.py, KVScales). Tokens are
+      quantized as they are stored (compress-on-write stores the kept ones), and decode reads
+      them back; prefill attention and scoring use the step's own keys and values, unquantized.
+      Usable with or without `quantization`; on a GPU it needs compute capability 8.9+.
     step_log: a file to append every step to, one JSON line each (sparse_core/engine/step_log.py):
       when it ended (Unix time), the engine's policy and budget, what it ran, its wall time and
       host launch time, whether it was launched ahead, and the host time it spent in kernels'
@@ -191,6 +199,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     step_log: str | None = None
     hf_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -202,6 +211,10 @@ class EngineConfig:
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; expected one of {QUANTIZATIONS} "
                 f"(or None for weights in the model's dtype)"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of {KV_CACHE_DTYPES}"
             )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_model_len, 8192)
@@ -231,6 +244,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    @property
+    def fp8_kv_cache(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     def on_device(self, device_type: str) -> EngineConfig:
         """This config with the defaults that depend on the device ("cuda", "cpu") filled in."""

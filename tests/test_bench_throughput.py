@@ -21,7 +21,7 @@ def test_throughput_benchmark_reports_every_policy_and_where_the_time_went(tmp_p
     assert proc.returncode == 0, proc.stderr
     assert "launching prefill/decode" in proc.stdout
     results = json.loads(out.read_text())["results"]
-    assert [r["label"] for r in results] == ["dense uncapped", "snapkv uncapped"]
+    assert [r["label"] for r in results] == ["dense uncapped", "snapkv 1 full uncapped"]
     for r in results:
         assert r["output_tok_s"] > 0
         assert r["num_prompts"] == 3

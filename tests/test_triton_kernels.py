@@ -15,6 +15,7 @@ import torch
 
 from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels import reference as ref
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.models.attention import ChunkContext
 from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
@@ -535,8 +536,124 @@ def test_chunk_context_packs_cached_and_new_rows() -> None:
         expected.append(packed)
     triton_ops = SimpleNamespace(store_kv=tk.store_kv, store_selected_kv=tk.store_selected_kv)
     for ops in (REFERENCE_OPS, triton_ops):
-        packed_k, packed_v = context.pack(ops, *new, *caches, cached_slots)
+        packed_k, packed_v = context.pack(ops, *new, *caches, cached_slots, UNIT_SCALES)
         assert torch.equal(packed_k, expected[0]) and torch.equal(packed_v, expected[1])
+
+
+# --- FP8 caches: e4m3 pages with a K and a V scale per layer -----------------------------------
+
+# Scales unlike 1 and unlike each other, so a K scale applied to V (or one forgotten) shows.
+SCALES = KVScales(k=0.37, v=2.5)
+
+
+def _fp8_paged(context_lens: list[int], num_kv: int, head_dim: int, block_size: int):
+    """`_paged`'s caches as FP8 pages."""
+    k_cache, v_cache, table, lens = _paged(
+        context_lens, num_kv, head_dim, block_size, torch.float32
+    )
+    return k_cache.to(FP8_DTYPE), v_cache.to(FP8_DTYPE), table, lens
+
+
+def test_fp8_store_saturates_and_rounds_like_torch() -> None:
+    """k / k_scale in e4m3, rounded to nearest even (the interpreter fixed to match the GPU),
+    saturated at +-448 instead of NaN; the reference is torch's own cast."""
+    torch.manual_seed(21)
+    k, v = _randn(30, 2, 32, dtype=torch.bfloat16), _randn(30, 2, 32, dtype=torch.bfloat16)
+    k[3, 1, 5], v[4, 0, 0] = 1e4, -1e5  # past the range once scaled
+    slots = torch.randperm(40)[:30].to(DEVICE)
+    caches = [torch.zeros(10, 4, 2, 32, dtype=FP8_DTYPE, device=DEVICE) for _ in "kv"]
+    expected = [c.clone() for c in caches]
+    ref.store_kv(k, v, *expected, slots, SCALES)
+    tk.store_kv(k, v, *caches, slots, SCALES)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    k_stored = caches[0].view(40, 2, 32)[slots].float()
+    assert k_stored[3, 1, 5] == FP8_MAX and caches[1].view(40, 2, 32)[slots][4, 0, 0] == -FP8_MAX
+    finite = k_stored.isfinite().all() and caches[1].float().isfinite().all()
+    assert finite
+    back = k_stored * SCALES.k
+    k[3, 1, 5] = back[3, 1, 5]
+    assert ((back - k.float()).norm() / k.float().norm()).item() < 0.04  # 3 mantissa bits
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_fp8_paged_decode_matches_reference(num_splits: int, block_size: int) -> None:
+    """The kernel widens e4m3 keys and values and applies their scales; the reference computes
+    over the dequantized cache in float32."""
+    torch.manual_seed(22 + num_splits)
+    k_cache, v_cache, table, lens = _fp8_paged([37, 3, 50], 2, 32, block_size)
+    q = _randn(3, 8, 32, dtype=torch.bfloat16)
+    out = tk.paged_decode_attention(
+        q, k_cache, v_cache, table, lens, 0.2, kv_scales=SCALES, num_splits=num_splits
+    )
+    expected = ref.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.2, kv_scales=SCALES)
+    dequantized = ref.paged_decode_attention(
+        q.float(), k_cache.float() * SCALES.k, v_cache.float() * SCALES.v, table, lens, 0.2
+    )
+    torch.testing.assert_close(expected.float(), dequantized, atol=2e-2, rtol=1e-2)
+    _close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_rotate_store_and_decode_matches_reference(num_splits: int) -> None:
+    """The decode step's own keys quantized into the FP8 cache and read back in one call."""
+    torch.manual_seed(23)
+    case = list(_rotate_store_and_decode_case([37, 3, 17, 1], 8, 2, 32, 16, torch.bfloat16))
+    case[4], case[5] = case[4].to(FP8_DTYPE), case[5].to(FP8_DTYPE)  # the caches
+    qkv, positions, cos, sin, k_cache, v_cache, slots, table, lens = case
+    results = []
+    for op, extra in ((ref.rotate_store_and_decode, {}), (tk.rotate_store_and_decode, {})):
+        x, caches = qkv.clone(), (k_cache.clone(), v_cache.clone())
+        q, k, v = _qkv_views(x, 8, 2, 32)
+        if op is tk.rotate_store_and_decode:
+            extra = {"num_splits": num_splits}
+        out = op(
+            q, k, v, positions, cos, sin, *caches, slots, table, lens, 0.3, kv_scales=SCALES,
+            **extra,
+        )  # fmt: skip
+        results.append((out, caches))
+    (want, want_caches), (out, got_caches) = results
+    _close(out, want, torch.bfloat16)
+    for got, expected in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert not torch.equal(got_caches[0].view(torch.uint8), k_cache.view(torch.uint8))
+
+
+def test_fp8_compaction_and_chunk_packing_round_trip() -> None:
+    """Kept tokens quantized into an FP8 cache (compress-on-write), then packed back out of it
+    in the step's dtype for a later chunk: both kernel sets, bit for bit, and the packed rows
+    are the kept tokens within e4m3's rounding."""
+    torch.manual_seed(24)
+    n, budget, num_kv, head_dim, block_size, num_blocks = 40, 13, 2, 32, 4, 6
+    k, v = (_randn(n, num_kv, head_dim, dtype=torch.bfloat16) for _ in "kv")
+    indices = ref.select_top_tokens(torch.rand(num_kv, n - 4, device=DEVICE), n, budget, 4, 1)
+    slots = torch.randperm(num_blocks * block_size)[:budget].to(DEVICE)
+    context = ChunkContext(
+        cu_seqlens_k=torch.tensor([0, budget + 2], device=DEVICE),
+        num_keys=budget + 2,
+        new_rows=torch.tensor([budget, budget + 1], device=DEVICE),
+        cached_rows=torch.arange(budget, device=DEVICE),
+    )
+    new = [_randn(2, num_kv, head_dim, dtype=torch.bfloat16) for _ in "kv"]
+    triton_ops = SimpleNamespace(store_kv=tk.store_kv, store_selected_kv=tk.store_selected_kv)
+    results = []
+    for ops in (REFERENCE_OPS, triton_ops):
+        caches = [
+            torch.zeros(num_blocks, block_size, num_kv, head_dim, dtype=FP8_DTYPE, device=DEVICE)
+            for _ in "kv"
+        ]
+        ops.store_selected_kv(k, v, indices, *caches, slots, SCALES)
+        # Every head's kept tokens now sit at the same slots: the cached chunk of one prompt.
+        packed = context.pack(ops, *new, *caches, slots, SCALES)
+        results.append((caches, packed))
+    (want_caches, want_packed), (got_caches, got_packed) = results
+    for got, want in zip([*got_caches, *got_packed], [*want_caches, *want_packed], strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    kept_k = ref.gather_tokens(k, indices)
+    assert got_packed[0].dtype == torch.bfloat16
+    torch.testing.assert_close(got_packed[0][:budget].float(), kept_k.float(), rtol=0.07, atol=0.02)
+    assert torch.equal(got_packed[1][budget:], new[1])
 
 
 # --- realistic shapes on a GPU (Llama-3-8B attention: 32 query heads, 8 KV heads, D=128) --------
@@ -630,6 +747,39 @@ def test_gpu_store_and_compact_4000_tokens() -> None:
         ref.gather_tokens(k, indices), ref.gather_tokens(v, indices), *expected, kept_slots
     )
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,context", [(64, 4500), (2, 4500), (20, 800)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_gpu_fp8_paged_decode(batch: int, context: int, block_size: int) -> None:
+    torch.manual_seed(14)
+    lens = (context - torch.randint(0, 100, (batch,))).tolist()
+    k_cache, v_cache, table, lens_t = _fp8_paged(lens, 8, 128, block_size)
+    q = _randn(batch, 32, 128, dtype=BF16)
+    args = (q, k_cache, v_cache, table, lens_t, 128**-0.5)
+    out = tk.paged_decode_attention(*args, kv_scales=SCALES)
+    _close(out, ref.paged_decode_attention(*args, kv_scales=SCALES), BF16)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp8_store_and_compact_4000_tokens() -> None:
+    torch.manual_seed(15)
+    n, budget, block_size = 4000, 512, 128
+    k, v = (_randn(n, 8, 128, dtype=BF16) * 4 for _ in range(2))
+    caches = [torch.zeros(40, block_size, 8, 128, dtype=FP8_DTYPE, device=DEVICE) for _ in "kv"]
+    expected = [c.clone() for c in caches]
+    slots = torch.randperm(40 * block_size, device=DEVICE)[:n]
+    tk.store_kv(k, v, *caches, slots, SCALES)
+    ref.store_kv(k, v, *expected, slots, SCALES)
+    indices = ref.select_top_tokens(torch.rand(8, n - 32, device=DEVICE), n, budget, 32, 4)
+    kept_slots = torch.arange(budget, device=DEVICE) + 1000
+    tk.store_selected_kv(k, v, indices, *caches, kept_slots, SCALES)
+    ref.store_selected_kv(k, v, indices, *expected, kept_slots, SCALES)
+    for got, want in zip(caches, expected, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 @gpu

@@ -21,8 +21,12 @@ import torch
 
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
-from sparse_core.config import QUANTIZATIONS, EngineConfig, SparsityConfig
-from sparse_core.engine.gpu_memory import peak_process_gpu_bytes
+from sparse_core.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SparsityConfig
+from sparse_core.engine.gpu_memory import (
+    gpu_memory_outside_torch,
+    peak_process_gpu_bytes,
+    process_gpu_bytes,
+)
 from sparse_core.engine.llm_engine import LLMEngine, StepRecord
 from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
@@ -58,6 +62,10 @@ class RunResult:
     # Of the launching, first launches of kernel variants (compiled, or loaded from Triton's
     # cache) after the warm-up: stalls a warm server would not have.
     kernel_first_launch_s: float = 0.0
+    # Where the peak comes from (GiB, on a GPU): the process once the engine was ready, torch's
+    # allocator at its peak (reserved, and allocated within it), and the process's memory
+    # outside the allocator at the end.
+    gpu_memory_split_gib: dict[str, float] = field(default_factory=dict)
     decode_by_batch: list[dict] = field(default_factory=list)
 
 
@@ -124,6 +132,7 @@ def run_one(
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()  # the previous policy's engine is gone
     engine = LLMEngine(engine_config, sparsity)
+    ready_bytes = process_gpu_bytes(engine.runner.device) if on_gpu else None
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -153,9 +162,16 @@ def run_one(
     prefill_s = sum(r.seconds for r in prefill)
     decode_s = sum(r.seconds for r in decode)
     stats = engine.stats()
-    peak_memory = None
+    peak_memory, memory_split = None, {}
     if on_gpu:
         peak_memory = peak_process_gpu_bytes(runner.device)
+        split = {
+            "ready": ready_bytes,
+            "allocator_reserved_peak": torch.cuda.max_memory_reserved(runner.device),
+            "allocator_allocated_peak": torch.cuda.max_memory_allocated(runner.device),
+            "outside_allocator": gpu_memory_outside_torch(runner.device),
+        }
+        memory_split = {k: round(v / 2**30, 2) for k, v in split.items() if v is not None}
     result = RunResult(
         label=label,
         num_prompts=num_prompts,
@@ -192,6 +208,7 @@ def run_one(
             "prefill_steps": round(sum(r.launch_seconds for r in prefill), 2),
             "decode_steps": round(sum(r.launch_seconds for r in decode), 2),
         },
+        gpu_memory_split_gib=memory_split,
         kernel_first_launch_s=round(
             sum(r.kernel_first_launch_seconds for r in engine.step_records), 3
         ),
@@ -242,6 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_graph_args(parser)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--json", default=None, help="write all results here")
 
 
@@ -271,10 +289,13 @@ def main(args: argparse.Namespace) -> int:
             max_prefill_graph_tokens=args.max_prefill_graph_tokens,
             tensor_parallel_size=args.tensor_parallel_size,
             quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
-        weights = f" {args.quantization}" if args.quantization else ""
+        weights = f" w-{args.quantization}" if args.quantization else ""
+        kv = f" kv-{args.kv_cache_dtype}" if config.fp8_kv_cache else ""
+        full = f" {args.full_layers} full" if policy != "dense" else ""
         result = run_one(
-            f"{policy}{weights} {cap}",
+            f"{policy}{full}{weights}{kv} {cap}",
             config,
             sparsity_for(policy, args.budget, args.window, args.full_layers),
             args.num_prompts,

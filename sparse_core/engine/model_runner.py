@@ -28,6 +28,7 @@ from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
+from sparse_core.kernels.fp8 import FP8_DTYPE
 from sparse_core.models.attention import (
     ChunkContext,
     CompressJobs,
@@ -146,7 +147,10 @@ class ModelRunner:
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
         if config.quantization == "fp8":
-            check_fp8_device(self.device)
+            check_fp8_device(self.device, "quantization='fp8'")
+        if config.fp8_kv_cache:
+            check_fp8_device(self.device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
+        self.kv_dtype = FP8_DTYPE if config.fp8_kv_cache else self.dtype
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
         # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
@@ -173,8 +177,9 @@ class ModelRunner:
         return self.model.attention_layers[0].num_kv_heads
 
     def bytes_per_token_per_layer(self) -> int:
-        """KV bytes of one token in one layer on this rank (1/tp of the model's under TP)."""
-        return 2 * self.num_kv_heads * self.model.config.head_dim * self.dtype.itemsize
+        """KV bytes of one token in one layer on this rank (1/tp of the model's under TP), in
+        the cache's dtype."""
+        return 2 * self.num_kv_heads * self.model.config.head_dim * self.kv_dtype.itemsize
 
     def _on_workers(self, method: str, *args) -> None:
         """Rank 0: have every other rank run the same method (their collectives must match)."""
@@ -194,7 +199,7 @@ class ModelRunner:
                 self.num_kv_heads,
                 cfg.head_dim,
             )
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for i, layer in enumerate(group.layers):
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
@@ -411,7 +416,7 @@ class ModelRunner:
         cfg, config = self.model.config, self.config
         placeholder = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, cfg.head_dim),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         for attn in self.model.attention_layers:

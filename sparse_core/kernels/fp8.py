@@ -10,6 +10,8 @@ matmul's rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -17,6 +19,26 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 # Scales never go below this: an all-zero row (weights, or a padding token's activations) would
 # otherwise divide by zero.
 MIN_SCALE = 1e-12
+
+
+class KVScales(NamedTuple):
+    """One layer's FP8 KV cache scales (`EngineConfig.kv_cache_dtype="fp8"`): the cache holds
+    k / k_scale and v / v_scale in e4m3, saturated to its range, and readers multiply back.
+
+    One scale per layer for K and one for V (vLLM's granularity): 1.0 unless the checkpoint
+    carries calibrated scales, as vLLM does without them. A kernel writing into a cache of a
+    wider dtype divides by scales of 1.0, which changes nothing.
+    """
+
+    k: float = 1.0
+    v: float = 1.0
+
+    def inverse(self) -> KVScales:
+        """The scales that, "dividing" on a copy out of an FP8 cache, dequantize it."""
+        return KVScales(1.0 / self.k, 1.0 / self.v)
+
+
+UNIT_SCALES = KVScales()
 
 
 def supports_fp8(device: torch.device) -> bool:

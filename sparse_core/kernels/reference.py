@@ -4,7 +4,9 @@ Layouts (T = tokens in a step, Hq / Hkv = query / KV heads, D = head dim):
 - varlen prefill tensors are packed: q [T, Hq, D], k and v [T, Hkv, D], with `cu_seqlens`
   (int32, [num_seqs + 1]) giving each sequence's start offset;
 - a paged cache is [num_blocks, block_size, Hkv, D]; a slot is `block * block_size + offset`;
-- LSE is the natural-log log-sum-exp of a query row's scaled logits, float32 [Hq, T].
+- LSE is the natural-log log-sum-exp of a query row's scaled logits, float32 [Hq, T];
+- a cache may be FP8 e4m3: it holds k / kv_scales.k and v / kv_scales.v (`fp8.KVScales`), and
+  every kernel that reads it multiplies back (in float32) before computing.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
+
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 
 
 def prefill_attention(
@@ -254,7 +258,20 @@ def _pool_padded(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """x [n, Hkv, D], indices [Hkv, B] -> [B, Hkv, D] with out[j, h] = x[indices[h, j], h]."""
     idx = indices.t().unsqueeze(-1).expand(-1, -1, x.shape[-1])
+    if x.dtype == FP8_DTYPE:  # torch has no gather for it: move the bytes
+        return torch.gather(x.view(torch.uint8), 0, idx).view(FP8_DTYPE)
     return torch.gather(x, 0, idx)
+
+
+def to_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in `dtype`, computed in float32; into FP8, saturated to e4m3's range (an
+    outlier is clipped, never turned into NaN)."""
+    if scale == 1.0 and x.dtype == dtype:
+        return x
+    y = x.float() * (1.0 / scale)
+    if dtype == FP8_DTYPE:
+        y = y.clamp(-FP8_MAX, FP8_MAX)
+    return y.to(dtype)
 
 
 def store_kv(
@@ -263,12 +280,14 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at `slot_mapping` [T]; slot -1 = skip."""
+    """Write k / kv_scales.k and v / kv_scales.v ([T, Hkv, D]) into the paged caches at
+    `slot_mapping` [T], in the caches' dtype; slot -1 = skip."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = to_cache(k[keep], kv_scales.k, k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = to_cache(v[keep], kv_scales.v, v_cache.dtype)
 
 
 def store_selected_kv(
@@ -278,9 +297,14 @@ def store_selected_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
-    """Compaction: cache[slot_mapping[j], h] = k/v[indices[h, j], h] for the kept tokens."""
-    store_kv(gather_tokens(k, indices), gather_tokens(v, indices), k_cache, v_cache, slot_mapping)
+    """Compaction: cache[slot_mapping[j], h] = k/v[indices[h, j], h] / kv_scales for the kept
+    tokens (`kv_scales.inverse()` dequantizes a copy out of an FP8 cache)."""
+    store_kv(
+        gather_tokens(k, indices), gather_tokens(v, indices), k_cache, v_cache, slot_mapping,
+        kv_scales,
+    )  # fmt: skip
 
 
 def paged_decode_attention(
@@ -292,12 +316,14 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B] (tokens in the cache, including
     the one written this step); `max_context_len`, a bound on context_lens, spares a host sync.
-    `out`: where to write the output (default: a new tensor).
+    `out`: where to write the output (default: a new tensor). `kv_scales`: what the cached keys
+    and values are multiplied by (an FP8 cache's scales).
     """
     batch, num_q, head_dim = q.shape
     block_size, num_kv = k_cache.shape[1], k_cache.shape[2]
@@ -309,11 +335,11 @@ def paged_decode_attention(
     values = v_cache[tables].flatten(1, 2)[:, :max_len]
     group = num_q // num_kv
     qs = q.float().view(batch, num_kv, group, head_dim)
-    logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float()) * scale
+    logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float() * kv_scales.k) * scale
     valid = torch.arange(max_len, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).long()
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    result = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    result = torch.einsum("bhgl,blhd->bhgd", probs, values.float() * kv_scales.v)
     result = result.reshape(batch, num_q, head_dim).to(q.dtype)
     return result if out is None else out.copy_(result)
 
@@ -358,12 +384,13 @@ def rotate_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
     """RoPE applied in place to q [T, Hq, D] and k [T, Hkv, D], then k and v [T, Hkv, D]
-    written into the paged caches at `slot_mapping` [T] (slot -1 is skipped)."""
+    written into the paged caches at `slot_mapping` [T] (slot -1 is skipped), as `store_kv`."""
     apply_rotary_(q, positions, cos, sin)
     apply_rotary_(k, positions, cos, sin)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, kv_scales)
 
 
 def rotate_store_and_decode(
@@ -381,10 +408,11 @@ def rotate_store_and_decode(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """A decode step's attention: `rotate_and_store_kv` of its rows (one token per sequence),
     then `paged_decode_attention` over contexts that include those tokens."""
-    rotate_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    rotate_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, kv_scales)
     return paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, kv_scales
     )

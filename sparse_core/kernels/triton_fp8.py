@@ -14,6 +14,11 @@ import triton.language as tl
 
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
+if triton.knobs.runtime.interpret:
+    from .triton_interpreter import apply_interpreter_fixes
+
+    apply_interpreter_fixes()
+
 
 @triton.jit
 def _quantize_rows_kernel(

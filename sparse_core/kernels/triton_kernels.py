@@ -3,7 +3,10 @@
 Layouts are the reference's: packed varlen q [T, Hq, D] and k, v [T, Hkv, D] with `cu_seqlens`;
 paged caches [num_blocks, block_size, Hkv, D], slot = block * block_size + offset; LSE float32
 [Hq, T] in natural log. Inputs may be fp32, bf16 or fp16; every kernel accumulates in fp32. The head
-dim must be a power of two in [16, 256] (64 and 128 are the tuned cases).
+dim must be a power of two in [16, 256] (64 and 128 are the tuned cases). A paged cache may also be
+FP8 e4m3, holding k / kv_scales.k and v / kv_scales.v (`fp8.KVScales`): the kernels that write it
+multiply by the inverse scale and saturate, those that read it convert to the queries' dtype and
+fold the scales into the logits' scale (K) and the output (V).
 
 Softmax runs in base 2 (`exp2` is one instruction, `exp` is not): logits are pre-multiplied by
 scale·log2(e) and LSE is converted back to natural log on store.
@@ -32,6 +35,7 @@ from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparse_core.kernels import reference
+from sparse_core.kernels.fp8 import UNIT_SCALES, KVScales
 from sparse_core.kernels.launcher import launch
 
 if triton.knobs.runtime.interpret:
@@ -442,6 +446,16 @@ def window_scores(
 
 
 @triton.jit
+def _to_cache(x, factor, cache_ptr):
+    """x * factor in the cache's dtype, computed in float32; saturated to e4m3's range for an
+    FP8 cache (Triton's conversion would give NaN past it), as `reference.to_cache`."""
+    y = x.to(tl.float32) * factor
+    if cache_ptr.dtype.element_ty == tl.float8e4nv:
+        y = tl.clamp(y, -448.0, 448.0)
+    return y.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rotate_heads(base, cos, sin, mask, HALF: tl.constexpr):
     """Rotate in place the [heads, 2 * HALF] rows at `base`; returns the rounded halves."""
     x1 = tl.load(base, mask=mask, other=0.0)
@@ -459,12 +473,12 @@ def _rotate_and_store_token(
     q_rows, q_ok, k_rows, v_rows, kv_heads, kv_ok, pos, slot,
     cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, block_size,
-    HALF: tl.constexpr,
+    k_factor, v_factor, HALF: tl.constexpr,
 ):  # fmt: skip
     """One token at position `pos`: RoPE in place on the query heads whose rows start at q_rows
     [heads, 1] and on the key heads at k_rows [heads, 1]; then the rotated keys and the values
-    (rows at v_rows) written into the caches at `slot` (nothing for -1), as KV heads `kv_heads`
-    [heads, 1]."""
+    (rows at v_rows), times k_factor and v_factor, written into the caches at `slot` (nothing
+    for -1), as KV heads `kv_heads` [heads, 1]."""
     dims = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_ptr + pos * stride_c + dims)
     sin = tl.load(sin_ptr + pos * stride_c + dims)
@@ -473,12 +487,12 @@ def _rotate_and_store_token(
     if slot >= 0:
         page, offset = slot // block_size, slot % block_size
         k_dst = k_cache_ptr + page * stride_kcb + offset * stride_kct + kv_heads * stride_kch + dims
-        tl.store(k_dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
-        tl.store(k_dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(k_dst, _to_cache(k1, k_factor, k_cache_ptr), mask=kv_ok)
+        tl.store(k_dst + HALF, _to_cache(k2, k_factor, k_cache_ptr), mask=kv_ok)
         row = tl.arange(0, 2 * HALF)[None, :]
         v = tl.load(v_rows + row, mask=kv_ok)
         v_dst = v_cache_ptr + page * stride_vcb + offset * stride_vct + kv_heads * stride_vch + row
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+        tl.store(v_dst, _to_cache(v, v_factor, v_cache_ptr), mask=kv_ok)
 
 
 @triton.jit
@@ -486,7 +500,7 @@ def _rotate_and_store_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
     stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch,
-    num_q_heads, num_kv_heads, block_size,
+    num_q_heads, num_kv_heads, block_size, k_factor, v_factor,
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
@@ -500,7 +514,7 @@ def _rotate_and_store_kernel(
         tl.load(slots_ptr + token).to(tl.int64),  # a cache can pass 2**31 elements
         cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
         stride_kcb, stride_kct, stride_kch, stride_vcb, stride_vct, stride_vch, block_size,
-        HALF=HALF,
+        k_factor, v_factor, HALF=HALF,
     )  # fmt: skip
 
 
@@ -520,6 +534,7 @@ def _check_rotate_and_store(
     check_head_dim(head_dim)
     assert k.shape == v.shape == (tokens, num_kv, head_dim) and q.dtype == k.dtype
     assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv, head_dim)
+    assert k_cache.dtype == v_cache.dtype
     assert positions.shape == slot_mapping.shape == (tokens,)
     assert (
         cos.shape == sin.shape and cos.shape[-1] == head_dim // 2 and cos.stride() == sin.stride()
@@ -539,10 +554,12 @@ def rotate_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
     """RoPE in place on q [T, Hq, D] and k [T, Hkv, D] (views into the fused qkv projection
-    work), and k and v stored into the paged caches [blocks, block_size, Hkv, D] at
-    `slot_mapping` [T] (-1 skips): one launch where a rotation and a store took two."""
+    work), and k / kv_scales.k and v / kv_scales.v stored into the paged caches [blocks,
+    block_size, Hkv, D] at `slot_mapping` [T] (-1 skips): one launch where a rotation and a
+    store took two."""
     _check_rotate_and_store(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
@@ -555,7 +572,7 @@ def rotate_and_store_kv(
         cos.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_q, num_kv, k_cache.shape[1],
+        num_q, num_kv, k_cache.shape[1], 1.0 / kv_scales.k, 1.0 / kv_scales.v,
         HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_q),
         BLOCK_HKV=triton.next_power_of_2(num_kv),
     )  # fmt: skip
@@ -599,6 +616,9 @@ def _paged_decode_kernel(
     stride_vnh,
     stride_c,
     scale_log2,
+    v_scale,
+    k_factor,
+    v_factor,
     block_size,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -631,7 +651,7 @@ def _paged_decode_kernel(
             tl.load(pos_ptr + seq), tl.load(slots_ptr + seq).to(tl.int64),
             cos_ptr, sin_ptr, stride_c, k_cache_ptr, v_cache_ptr,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, block_size,
-            HALF=HEAD_DIM // 2,
+            k_factor, v_factor, HALF=HEAD_DIM // 2,
         )  # fmt: skip
         tl.debug_barrier()
     context_len = tl.load(context_lens_ptr + seq)
@@ -673,14 +693,16 @@ def _paged_decode_kernel(
             v_rows = page * stride_vb + offset * stride_vt + kv_head * stride_vh
             k_ptrs = k_cache_ptr + k_rows[:, None] + dims[None, :]
             v_ptrs = v_cache_ptr + v_rows[:, None] + dims[None, :]
-        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        # An FP8 cache is widened to the queries' dtype: its K scale is in scale_log2.
+        k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         s = tl.where(key_ok[None, :], s, float("-inf"))  # the tile's first key is always valid
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
 
     # An empty split (or context_len 0) leaves l_i = 0: write out 0 and LSE -inf, never NaN.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # The output is linear in the values: their scale is applied once, here.
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if SPLIT:
         num_splits = tl.num_programs(2)
         part = (seq * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [B, Hq, S]
@@ -788,6 +810,7 @@ def paged_decode_attention(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales = UNIT_SCALES,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
@@ -798,11 +821,12 @@ def paged_decode_attention(
     (an upper bound is enough) only chooses the number of splits, without a device-to-host
     sync, so the launch can be captured in a CUDA graph; every split count reads each whole
     context. `out`: where to write the output (default: a new tensor; its head dim must be
-    contiguous).
+    contiguous). `kv_scales`: an FP8 cache's scales.
     """
     return _paged_decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, num_splits
-    )
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, kv_scales,
+        num_splits,
+    )  # fmt: skip
 
 
 def rotate_store_and_decode(
@@ -820,6 +844,7 @@ def rotate_store_and_decode(
     scale: float,
     max_context_len: int | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales = UNIT_SCALES,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """`rotate_and_store_kv` of the decode rows (q [B, Hq, D], k and v [B, Hkv, D], one token
@@ -831,8 +856,8 @@ def rotate_store_and_decode(
     """
     new = NewKeys(k, v, positions, cos, sin, slot_mapping)
     return _paged_decode(
-        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, num_splits,
-        new,
+        q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len, out, kv_scales,
+        num_splits, new,
     )  # fmt: skip
 
 
@@ -845,6 +870,7 @@ def _paged_decode(
     scale: float,
     max_context_len: int | None,
     out: torch.Tensor | None,
+    kv_scales: KVScales,
     num_splits: int | None,
     new: NewKeys | None = None,
 ) -> torch.Tensor:
@@ -854,6 +880,7 @@ def _paged_decode(
     assert num_q % num_kv == 0, "query heads must be a multiple of KV heads"
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     assert block_tables.stride(-1) == 1 and context_lens.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype
     if new is not None:
         new_k, new_v, positions, cos, sin, slots = new
         _check_rotate_and_store(q, new_k, new_v, positions, cos, sin, k_cache, v_cache, slots)
@@ -869,8 +896,9 @@ def _paged_decode(
     split = num_splits > 1
     if new is not None and split:
         rotate_and_store_kv(
-            q, new.k, new.v, new.positions, new.cos, new.sin, k_cache, v_cache, new.slot_mapping
-        )
+            q, new.k, new.v, new.positions, new.cos, new.sin, k_cache, v_cache, new.slot_mapping,
+            kv_scales,
+        )  # fmt: skip
         new = None
     group = num_q // num_kv
     if split:
@@ -891,8 +919,8 @@ def _paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos.stride(0),
-        scale * LOG2E, block_size,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
+        scale * LOG2E * kv_scales.k, kv_scales.v, 1.0 / kv_scales.k, 1.0 / kv_scales.v,
+        block_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
         HEAD_DIM=head_dim, BLOCK_N=block_n, SPLIT=split, WHOLE_PAGES=block_size % block_n == 0,
         ROTATE_STORE=new is not None, **early_launch(q), **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
@@ -1079,14 +1107,11 @@ def select_kept_rows(
 
 
 @triton.jit
-def _copy_rows(src_ptr, dst_ptr, src_off, dst_off, ok, HEAD_DIM: tl.constexpr):
+def _copy_rows(src_ptr, dst_ptr, src_off, dst_off, ok, factor, HEAD_DIM: tl.constexpr):
     dims = tl.arange(0, HEAD_DIM)
     rows = tl.load(src_ptr + src_off[:, None] + dims[None, :], mask=ok[:, None])
-    tl.store(
-        dst_ptr + dst_off[:, None] + dims[None, :],
-        rows.to(dst_ptr.dtype.element_ty),
-        mask=ok[:, None],
-    )
+    dst = dst_ptr + dst_off[:, None] + dims[None, :]
+    tl.store(dst, _to_cache(rows, factor, dst_ptr), mask=ok[:, None])
 
 
 @triton.jit(do_not_specialize=["num_rows", "stride_ih"])  # see _window_scores_kernel
@@ -1110,13 +1135,15 @@ def _move_tokens_kernel(
     stride_dv_h,
     stride_ih,
     dst_block_size,
+    k_factor,
+    v_factor,
     HAS_V: tl.constexpr,
     GATHER: tl.constexpr,
     SCATTER: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Row j of KV head h: dst[slot_j, h] = src[index_{h,j}, h].
+    """Row j of KV head h: dst[slot_j, h] = src[index_{h,j}, h] * factor.
 
     index_{h,j} = indices[h, j] when GATHER, else j; slot_j = slots[j] when SCATTER (-1 skips),
     else j. The destination is paged [blocks, dst_block_size, H, D]; a plain [R, H, D] tensor is
@@ -1141,14 +1168,14 @@ def _move_tokens_kernel(
         src_k_ptr, dst_k_ptr,
         src_row * stride_sk_t + head * stride_sk_h,
         page * stride_dk_b + offset * stride_dk_t + head * stride_dk_h,
-        ok, HEAD_DIM,
+        ok, k_factor, HEAD_DIM,
     )  # fmt: skip
     if HAS_V:
         _copy_rows(
             src_v_ptr, dst_v_ptr,
             src_row * stride_sv_t + head * stride_sv_h,
             page * stride_dv_b + offset * stride_dv_t + head * stride_dv_h,
-            ok, HEAD_DIM,
+            ok, v_factor, HEAD_DIM,
         )  # fmt: skip
 
 
@@ -1160,8 +1187,10 @@ def _move_tokens(
     dst_v: torch.Tensor | None = None,
     indices: torch.Tensor | None = None,
     slots: torch.Tensor | None = None,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
-    """Launch `_move_tokens_kernel`: src [n, H, D] -> paged dst [blocks, block_size, H, D]."""
+    """Launch `_move_tokens_kernel`: src [n, H, D] / kv_scales -> paged dst [blocks, block_size,
+    H, D]."""
     head_dim, num_heads = src_k.shape[-1], src_k.shape[1]
     check_head_dim(head_dim)
     assert src_k.stride(-1) == dst_k.stride(-1) == 1, "head dim must be contiguous"
@@ -1185,7 +1214,7 @@ def _move_tokens(
         dst_k.stride(0), dst_k.stride(1), dst_k.stride(2),
         dst_v.stride(0), dst_v.stride(1), dst_v.stride(2),
         indices.stride(0) if indices is not None else 0,
-        dst_k.shape[1],
+        dst_k.shape[1], 1.0 / kv_scales.k, 1.0 / kv_scales.v,
         HAS_V=has_v, GATHER=indices is not None, SCATTER=slots is not None,
         HEAD_DIM=head_dim, BLOCK_R=block_r,
         **_launch_options(src_k, 4, 1),
@@ -1198,9 +1227,13 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at `slot_mapping` [T]; slot -1 is skipped."""
-    _move_tokens(k, k_cache, k.shape[0], src_v=v, dst_v=v_cache, slots=slot_mapping)
+    """Write k / kv_scales.k and v / kv_scales.v [T, Hkv, D] into the paged caches at
+    `slot_mapping` [T]; slot -1 is skipped."""
+    _move_tokens(
+        k, k_cache, k.shape[0], src_v=v, dst_v=v_cache, slots=slot_mapping, kv_scales=kv_scales
+    )
 
 
 def gather_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -1219,8 +1252,10 @@ def store_selected_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> None:
-    """Compaction in one kernel: cache[slot_mapping[j], h] = k/v[indices[h, j], h].
+    """Compaction in one kernel: cache[slot_mapping[j], h] = k/v[indices[h, j], h] / kv_scales
+    (`kv_scales.inverse()` dequantizes a copy out of an FP8 cache).
 
     k, v [n, Hkv, D] hold a prompt's keys and values (e.g. a prefill scratch buffer); indices
     [Hkv, B] are the kept tokens per head (from `select_kept_rows`); slot_mapping [B] the paged
@@ -1228,5 +1263,6 @@ def store_selected_kv(
     """
     assert indices.stride(-1) == 1
     _move_tokens(
-        k, k_cache, indices.shape[1], src_v=v, dst_v=v_cache, indices=indices, slots=slot_mapping
-    )
+        k, k_cache, indices.shape[1], src_v=v, dst_v=v_cache, indices=indices, slots=slot_mapping,
+        kv_scales=kv_scales,
+    )  # fmt: skip

@@ -9,6 +9,7 @@ from torch import nn
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
+from sparse_core.kernels.fp8 import UNIT_SCALES, KVScales
 from sparse_core.models.rotary import RotaryEmbedding
 from sparse_core.policy import PromptBatch, select_kept_tokens
 
@@ -54,10 +55,12 @@ class ChunkContext:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         cached_slots: torch.Tensor,
+        kv_scales: KVScales,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's k, v [P, Hkv, D] and the paged caches -> packed keys and values
-        [num_keys, Hkv, D], in two launches: the new rows scattered, the cached ones gathered
-        (the same slots for every head) and scattered."""
+        [num_keys, Hkv, D] in the step's dtype, in two launches: the new rows scattered, the
+        cached ones gathered (the same slots for every head), dequantized from an FP8 cache by
+        its `kv_scales`, and scattered."""
         heads = k.shape[1]
         shape = (self.num_keys, 1, *k.shape[1:])  # as a paged cache of one-token blocks
         packed_k, packed_v = k.new_empty(shape), v.new_empty(shape)
@@ -69,6 +72,7 @@ class ChunkContext:
             packed_k,
             packed_v,
             self.cached_rows,
+            kv_scales.inverse(),
         )
         return packed_k.squeeze(1), packed_v.squeeze(1)
 
@@ -139,6 +143,7 @@ class PagedAttention(nn.Module):
         self.rotary = rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.kv_scales: KVScales = UNIT_SCALES  # an FP8 cache's; 1.0 for a bf16 one
         self.generator: torch.Generator | None = None  # the `random` policy's draws
         self.kv_heads = kv_heads
 
@@ -175,7 +180,7 @@ class PagedAttention(nn.Module):
         self.ops.rotate_store_and_decode(
             q, k, v, positions, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
             group.slot_mapping, group.block_tables, group.context_lens, self.scale,
-            group.max_context_len, out=out,
+            group.max_context_len, out=out, kv_scales=self.kv_scales,
         )  # fmt: skip
 
     def _prefill(
@@ -195,11 +200,13 @@ class PagedAttention(nn.Module):
         ops = self.ops
         self.ops.rotate_and_store_kv(
             q, k, v, positions, self.rotary.cos, self.rotary.sin, self.k_cache, self.v_cache,
-            group.slot_mapping,
+            group.slot_mapping, self.kv_scales,
         )  # fmt: skip
         cu_seqlens_k = None
         if meta.context is not None:
-            k, v = meta.context.pack(ops, k, v, self.k_cache, self.v_cache, group.cached_slots)
+            k, v = meta.context.pack(
+                ops, k, v, self.k_cache, self.v_cache, group.cached_slots, self.kv_scales
+            )
             cu_seqlens_k = meta.context.cu_seqlens_k
         _, lse = ops.prefill_attention(
             q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k,
@@ -219,5 +226,6 @@ class PagedAttention(nn.Module):
                 self.kv_heads,
             )
             ops.store_selected_kv(
-                k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots
-            )
+                k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots,
+                self.kv_scales,
+            )  # fmt: skip
