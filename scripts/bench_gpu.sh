@@ -9,6 +9,9 @@
 #   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
 #   uncapped       bench throughput, dense / snapkv, no cap
 #   cap24-fp8      bench throughput, dense / snapkv with FP8 weights (--quantization fp8), 24 GB cap
+#   cap24-fp8kv    the same with FP8 weights and an FP8 KV cache (--kv-cache-dtype fp8), plus snapkv
+#                  with a third of the layers whole (--full-layers 11 of 32: the shape calibration
+#                  finds on SmolLM2)
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
@@ -63,6 +66,16 @@ step_cap24-fp8() {
     python3 -m service.cli bench throughput --policies dense,snapkv --quantization fp8 \
         --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_cap24_fp8.json" 2>"$OUT/throughput_cap24_fp8.log"
+}
+
+step_cap24-fp8kv() {
+    local fp8="--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-limit-gb 24"
+    python3 -m service.cli bench throughput --policies dense,snapkv $fp8 \
+        --num-prompts "$NUM_PROMPTS" --json "$OUT/throughput_cap24_fp8kv.json" \
+        2>"$OUT/throughput_cap24_fp8kv.log"
+    python3 -m service.cli bench throughput --policies snapkv --full-layers 11 $fp8 \
+        --num-prompts "$NUM_PROMPTS" --json "$OUT/throughput_cap24_fp8kv_third.json" \
+        2>"$OUT/throughput_cap24_fp8kv_third.log"
 }
 
 step_uncapped() {

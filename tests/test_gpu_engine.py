@@ -155,22 +155,27 @@ def test_building_the_model_takes_its_weights_not_a_float32_copy_first():
     torch.cuda.empty_cache()
 
 
-def test_memory_limit_caps_the_whole_process():
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-kv"])
+def test_memory_limit_caps_the_whole_process(fp8: bool):
     """In a fresh process (as a user starts one): the engine sizes its KV cache so that the
     process, CUDA context included, stays under gpu_memory_limit_gb, and still serves.
 
     Memory that other processes hold counts against the limit, this test process's too (its
     CUDA context and what earlier tests left cached), so the child gets 4 GiB on top of it.
     """
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs compute capability 8.9+")
     gc.collect()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     held_here = total - free
     limit_gb = 4 + held_here / 2**30
+    fp8_args = ', quantization="fp8", kv_cache_dtype="fp8"' if fp8 else ""
     script = f"""
 import json, torch
 from sparse_core import LLM, SamplingParams
-llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb={limit_gb}, max_model_len=2048)
+llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb={limit_gb}, max_model_len=2048
+          {fp8_args})
 out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
 free, total = torch.cuda.mem_get_info()
 blocks = llm.engine.stats().kv_blocks["full"]["total"]

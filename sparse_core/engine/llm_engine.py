@@ -36,6 +36,8 @@ CPU_DEFAULT_KV_CACHE_GB = 2.0
 # on first use and library workspaces. Llama-3-8B on an H200 peaked 10 MiB above its limit
 # without this margin.
 LATE_RUNTIME_BYTES = 64 * 2**20
+# How far from its memory limit a started engine may be before its KV cache is resized.
+REFIT_SLACK_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -121,16 +123,7 @@ class LLMEngine:
         # The activation profile runs eagerly, before any graph exists.
         activations = self._profile_activations()
         prefill_graphs = self.runner.capture_prefill_graphs()
-        blocks = split_kv_memory(
-            self.plan,
-            self._kv_cache_bytes(activations, prefill_graphs),
-            self.runner.bytes_per_token_per_layer(),
-            config.block_size,
-            config.expected_input_len,
-            config.expected_output_len,
-        )
-        self.runner.allocate_kv_cache(blocks)
-        self.runner.capture_decode_graphs()
+        blocks = self._fit_kv_cache(self._kv_cache_bytes(activations, prefill_graphs))
         self.block_manager = BlockManager(
             self.plan, blocks, config.block_size, config.max_num_seqs, config.max_model_len
         )
@@ -187,6 +180,53 @@ class LLMEngine:
             return 0
         return self.runner.profile_activation_bytes()
 
+    def _allocate_kv_cache(self, kv_bytes: int) -> list[int]:
+        """The KV cache of `kv_bytes` split into the groups' blocks, allocated, then the decode
+        graphs over it captured; returns the blocks per group."""
+        config = self.config
+        blocks = split_kv_memory(
+            self.plan,
+            kv_bytes,
+            self.runner.bytes_per_token_per_layer(),
+            config.block_size,
+            config.expected_input_len,
+            config.expected_output_len,
+        )
+        self.runner.allocate_kv_cache(blocks)
+        self.runner.capture_decode_graphs()
+        return blocks
+
+    def _fit_kv_cache(self, kv_bytes: int) -> list[int]:
+        """Allocate the KV cache sized at start-up; if the process then holds more or less GPU
+        memory than its limit (by over REFIT_SLACK_BYTES: what the allocator reuses, and the
+        decode graphs, are estimates), allocate it once more, corrected by the difference, so
+        that the whole process, CUDA context included, fits the limit as it would a card of
+        that size. Returns the blocks per group."""
+        blocks = self._allocate_kv_cache(kv_bytes)
+        if self.config.kv_cache_memory_gb is not None or self.runner.device.type != "cuda":
+            return blocks
+        device = self.runner.device
+        used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)
+        room = int(self._gpu_memory_limit() - used) - LATE_RUNTIME_BYTES
+        room = min(room, torch.cuda.mem_get_info(device)[0] - LATE_RUNTIME_BYTES)
+        if abs(room) <= REFIT_SLACK_BYTES:
+            return blocks
+        logger.info(
+            "GPU memory after start-up: %.2f GiB; KV cache resized by %+.2f GiB to fit the limit",
+            used / 2**30,
+            room / 2**30,
+        )
+        self.runner.release_kv_cache()
+        return self._allocate_kv_cache(kv_bytes + room)
+
+    def _gpu_memory_limit(self) -> float:
+        """Bytes this process may hold on its GPU."""
+        config = self.config
+        limit = torch.cuda.mem_get_info(self.runner.device)[1] * config.gpu_memory_utilization
+        if config.gpu_memory_limit_gb is not None:
+            limit = min(limit, config.gpu_memory_limit_gb * 2**30)
+        return limit
+
     def _kv_cache_bytes(self, activations: int, prefill_graphs: int) -> int:
         """prefill_graphs: bytes the prefill graphs' pool took (captured already)."""
         config = self.config
@@ -196,34 +236,42 @@ class LLMEngine:
         if device.type != "cuda":
             return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
         weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
-        total = torch.cuda.mem_get_info(device)[1]
-        limit = total * config.gpu_memory_utilization
-        if config.gpu_memory_limit_gb is not None:
-            limit = min(limit, config.gpu_memory_limit_gb * 2**30)
+        limit = self._gpu_memory_limit()
+        # What torch's allocator holds now: the weights, the prefill graphs' pool, and the
+        # segments that loading left partly used (FP8 weights quantized from bf16 ones leave
+        # some), which the parameters' size alone would miss. Later allocations reuse part of
+        # those: `_fit_kv_cache` corrects for what this over-counts.
+        torch.cuda.empty_cache()  # the profiled step's activations are counted apart
+        held = torch.cuda.memory_reserved(device)
         outside_torch = gpu_memory_outside_torch(device) + LATE_RUNTIME_BYTES
         # The decode graphs are captured after the KV cache is allocated: their memory is an
         # estimate (the prefill graphs' pool was measured when they were captured).
-        graphs = prefill_graphs
+        graphs = 0
         if not config.enforce_eager:
-            graphs += decode_graph_bytes(
+            graphs = decode_graph_bytes(
                 config.max_num_seqs,
                 self.model_config.vocab_size,
                 self.runner.dtype.itemsize,
                 config.tensor_parallel_size,
             )
-        kv = int(limit - weights - activations - outside_torch - graphs)
+        kv = int(limit - held - activations - outside_torch - graphs)
         # Other processes on the GPU (another engine replica sharing it) leave only what is free.
         free = torch.cuda.mem_get_info(device)[0]
         kv = min(kv, int(free - activations - graphs - LATE_RUNTIME_BYTES))
         logger.info(
-            "GPU memory: limit %.2f GiB = weights %.2f + activations %.2f + other %.2f + "
-            "graphs %.2f + KV cache %.2f",
-            *(x / 2**30 for x in (limit, weights, activations, outside_torch, graphs, kv)),
-        )
+            "GPU memory: limit %.2f GiB = held %.2f (weights %.2f, prefill graphs %.2f) + "
+            "activations %.2f + other %.2f + decode graphs %.2f + KV cache %.2f",
+            *(
+                x / 2**30
+                for x in (limit, held, weights, prefill_graphs, activations, outside_torch,
+                          graphs, kv)
+            ),
+        )  # fmt: skip
         if kv <= 0:
             raise ValueError(
                 f"no GPU memory left for the KV cache: the limit is {limit / 2**30:.2f} GiB and "
-                f"weights + activations already take {(weights + activations) / 2**30:.2f} GiB; "
+                f"weights, graphs and activations already take "
+                f"{(held + activations + graphs) / 2**30:.2f} GiB; "
                 f"raise gpu_memory_utilization / gpu_memory_limit_gb or lower "
                 f"max_num_batched_tokens / max_num_seqs"
             )

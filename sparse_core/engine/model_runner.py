@@ -8,6 +8,7 @@ rank runs `execute`; only rank 0 samples.
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import logging
 import os
@@ -202,6 +203,17 @@ class ModelRunner:
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for i, layer in enumerate(group.layers):
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache and the decode graphs that read it, back to the device (before
+        allocating it again at another size)."""
+        self._on_workers("release_kv_cache")
+        self.decode_graphs = None
+        for attn in self.model.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def launch(
