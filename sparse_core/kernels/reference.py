@@ -335,11 +335,11 @@ def paged_decode_attention(
     values = v_cache[tables].flatten(1, 2)[:, :max_len]
     group = num_q // num_kv
     qs = q.float().view(batch, num_kv, group, head_dim)
-    logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float() * kv_scales.k) * scale
+    logits = torch.einsum("bhgd,blhd->bhgl", qs, keys.float()) * (scale * kv_scales.k)
     valid = torch.arange(max_len, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1).long()
     logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    result = torch.einsum("bhgl,blhd->bhgd", probs, values.float() * kv_scales.v)
+    result = torch.einsum("bhgl,blhd->bhgd", probs, values.float()) * kv_scales.v
     result = result.reshape(batch, num_q, head_dim).to(q.dtype)
     return result if out is None else out.copy_(result)
 

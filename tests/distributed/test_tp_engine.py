@@ -17,21 +17,30 @@ TINY = DUMMY_PRESETS["tiny"]  # 4 layers, 4 heads, 2 KV heads, intermediate 128,
 PROMPTS = [[(7 * i + 3) % 500 + 1 for i in range(150)], [(11 * i) % 500 + 1 for i in range(90)]]
 LATE_PROMPTS = [[(13 * i) % 500 + 1 for i in range(70)]]  # joins the decodes in a mixed step
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+SNAPKV = SparsityConfig(policy="snapkv", budget=64, window=8, sinks=2, full_layers=1)
+# name -> (sparsity, other engine arguments)
 POLICIES = {
-    "dense": SparsityConfig(policy="dense"),
-    "snapkv": SparsityConfig(policy="snapkv", budget=64, window=8, sinks=2, full_layers=1),
-    "random": SparsityConfig(policy="random", budget=64, window=8, sinks=2, full_layers=1),
+    "dense": (SparsityConfig(policy="dense"), {}),
+    "snapkv": (SNAPKV, {}),
+    "random": (
+        SparsityConfig(policy="random", budget=64, window=8, sinks=2, full_layers=1),
+        {},
+    ),
+    # Every rank quantizes its own KV heads into its FP8 pages.
+    "snapkv-fp8-kv": (SNAPKV, {"kv_cache_dtype": "fp8"}),
 }
 
 
 def engine_run(policy: str, tp: int) -> Run:
+    sparsity, engine_args = POLICIES[policy]
     with LLM(
         "dummy:tiny",
-        sparsity=POLICIES[policy],
+        sparsity=sparsity,
         max_model_len=512,
         kv_cache_memory_gb=0.01,
         block_size=16,  # the default on CPU; a CUDA host would get 128
         tensor_parallel_size=tp,
+        **engine_args,
     ) as llm:
         result = run(llm, PROMPTS, PARAMS, late=LATE_PROMPTS)
         if tp > 1:
