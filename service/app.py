@@ -134,7 +134,6 @@ def build_app(
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 choices.append(Choice(index=len(choices), prompt_index=p))
-                seed = req.seed + j if req.seed is not None else None  # n choices that differ
                 requests.append(
                     GenerateRequest(
                         request_id=f"{fmt.id}-{len(requests)}",
@@ -142,10 +141,14 @@ def build_app(
                         temperature=req.temperature,
                         top_p=req.top_p,
                         top_k=req.top_k,
-                        seed=seed,
+                        seed=req.choice_seed(j),
                         stop=req.stop_list,
                         stop_token_ids=list(req.stop_token_ids or []),
                         ignore_eos=req.ignore_eos,
+                        min_tokens=req.min_tokens,
+                        repetition_penalty=req.repetition_penalty,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
                         **prompt,
                     )
                 )
@@ -214,18 +217,27 @@ def build_app(
         prompts = [{"messages": req.template_messages()}]
         return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model))
 
+    card = {
+        "id": settings.served_model_name,
+        "object": "model",
+        "created": started,
+        "owned_by": "kvsparse",
+        "max_model_len": settings.max_model_len,
+        "kvsparse": {"pools": [p.describe() for p in settings.pools]},
+    }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
-        card = {
-            "id": settings.served_model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "kvsparse",
-            "max_model_len": settings.max_model_len,
-            "kvsparse": {"pools": [p.describe() for p in settings.pools]},
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        authorize(request)
+        if model_id != settings.served_model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist", param="model",
+                           code="model_not_found")  # fmt: skip
+        return card
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -176,9 +176,15 @@ class EngineWorker:
                 stop=list(req.stop),
                 stop_token_ids=list(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
             )
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # its message starts with the field's name
+            field = str(exc).split(" ", 1)[0]
+            param = field if field in GenerateRequest.__dataclass_fields__ else None
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
     # -- state --------------------------------------------------------------------------------
 
