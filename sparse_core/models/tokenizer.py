@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._hf is not None and bool(self._hf.chat_template)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest entry of the
+        vocabulary (byte-level entries have a character per byte; `<0x0A>`-style byte tokens
+        are longer than their text). A text longer than n times this has more than n tokens,
+        which a server checks before it tokenizes."""
+        return max(map(len, self._backend().get_vocab()))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend().encode(text, add_special_tokens=add_special_tokens)
 
@@ -100,6 +109,10 @@ class ByteTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return True
+
+    @property
+    def max_token_chars(self) -> int:
+        return 1  # a byte: at most one character
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
