@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from service.drain import Drain, shutting_down
 from service.errors import APIError, overloaded
 from service.messages import GenerateRequest
 from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
@@ -48,11 +49,26 @@ class Admission:
 
 class _ClosingStreamingResponse(StreamingResponse):
     """Closes the body iterator however the response ends, so that a client that goes away
-    aborts its requests at once instead of when the generator is garbage-collected."""
+    aborts its requests at once instead of when the generator is garbage-collected. Cut by a
+    shutdown (its task cancelled through `drain`), it ends with an error event and `[DONE]`."""
+
+    def __init__(self, content: AsyncIterator[str], drain: Drain) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.drain = drain
 
     async def stream_response(self, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         try:
-            await super().stream_response(send)
+            with self.drain.cuttable(task.cancel):
+                await super().stream_response(send)
+        except asyncio.CancelledError:
+            if not self.drain.cutting:
+                raise
+            task.uncancel()
+            end = _sse(shutting_down().body()) + "data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": end.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
@@ -78,11 +94,15 @@ def build_app(
         title="kvsparse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     admission = Admission(settings.max_inflight_requests)
+    drain = app.state.drain = Drain()
     started = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        response = exc.response()
+        if exc.status == 408:  # the rest of the body may still come: the connection is unusable
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -106,10 +126,16 @@ def build_app(
         if length.isdigit() and int(length) > limit:
             raise too_large
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise too_large
+        timeout = settings.timeout_request_body_s
+        try:
+            async with asyncio.timeout(timeout):
+                async for part in request.stream():
+                    body += part
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {timeout} s",
+                           code="request_timeout") from None  # fmt: skip
         return bytes(body)
 
     async def generate(
@@ -189,7 +215,7 @@ def build_app(
                 await close_all(streams)
 
         if req.stream:
-            return _ClosingStreamingResponse(events(), media_type="text/event-stream")
+            return _ClosingStreamingResponse(events(), drain)
 
         async def collect() -> None:
             async with contextlib.aclosing(merge(streams)) as chunks:
@@ -197,7 +223,7 @@ def build_app(
                     take(index, chunk)
 
         try:
-            await _unless_disconnected(request, collect())
+            await _unless_disconnected(request, collect(), drain)
         finally:
             admission.release(len(requests))
             await close_all(streams)
@@ -254,8 +280,9 @@ def build_app(
     return app
 
 
-async def _unless_disconnected(request: Request, work: Any) -> None:
-    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
+async def _unless_disconnected(request: Request, work: Any, drain: Drain) -> None:
+    """Run `work`; if the client goes away first, or a shutdown cuts it, cancel it (which
+    aborts its requests)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -264,11 +291,14 @@ async def _unless_disconnected(request: Request, work: Any) -> None:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        with drain.cuttable(task.cancel):
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
     if task.cancelled():
+        if drain.cutting:
+            raise shutting_down()
         raise APIError(499, "client closed the request", code="client_closed_request")
     task.result()

@@ -44,13 +44,12 @@ from service.settings import (
     ServerSettings,
     apply_serving_defaults,
     parse_pools,
+    resolve_api_key,
 )
 from service.streams import every_n_tokens
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig
-
-API_KEY_ENV = "KVSPARSE_API_KEY"
 
 
 @dataclass
@@ -239,8 +238,9 @@ class RayBackend:
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, engines: dict[str, DeploymentHandle], settings: ServerSettings) -> None:
-        if settings.api_key is None and os.environ.get(API_KEY_ENV):
-            settings = dataclasses.replace(settings, api_key=os.environ[API_KEY_ENV])
+        settings = dataclasses.replace(
+            settings, api_key=resolve_api_key(settings.api_key, os.environ)
+        )
         self._app = build_asgi_app(RayBackend(engines), settings)
 
     def __serve_build_asgi_app__(self) -> Any:
