@@ -84,6 +84,9 @@ class RayAppConfig:
     num_cpus_per_replica: float = 1
     routing_stats_period_s: float = 1.0
     ingress_replicas: int = 1
+    # A replica being stopped (scaled down, or its pod terminated) waits this long for its
+    # requests before it is killed: below Kubernetes' 30 s grace period (the chart checks).
+    graceful_shutdown_timeout_s: float = 25.0
     ingress_num_cpus: float = 0  # the ingress is I/O bound; engines get the CPUs
 
     @classmethod
@@ -273,6 +276,7 @@ def engine_options(cfg: RayAppConfig, engine: EngineConfig) -> dict[str, Any]:
         "target_ongoing_requests": cfg.target_ongoing_requests,
     }
     return {
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,
         "max_queued_requests": cfg.max_queued_requests,
@@ -289,6 +293,7 @@ def ingress_options(cfg: RayAppConfig, max_inflight: int) -> dict[str, Any]:
     """Serve options of the ingress deployment: it takes every request it may hold in flight
     (beyond them it answers 429 itself), so Serve never queues requests in front of it."""
     return {
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "num_replicas": cfg.ingress_replicas,
         "max_ongoing_requests": max_inflight,
         "ray_actor_options": {"num_cpus": cfg.ingress_num_cpus},
