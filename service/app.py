@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,6 +27,8 @@ from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingF
 from service.responses import ChatFormat, Choice, CompletionFormat
 from service.settings import ServerSettings
 from service.streams import Backend, close_all, merge, open_streams
+
+logger = logging.getLogger(__name__)
 
 
 class Admission:
@@ -209,6 +212,11 @@ def build_app(
                 yield "data: [DONE]\n\n"
             except APIError as exc:  # after the 200 went out: the error is the last event
                 yield _sse(exc.body())
+                yield "data: [DONE]\n\n"
+            except Exception as exc:  # not expected; the client still learns the stream failed
+                logger.exception("stream %s failed", fmt.id)
+                yield _sse(APIError(500, f"stream failed: {type(exc).__name__}",
+                                    code="engine_error").body())  # fmt: skip
                 yield "data: [DONE]\n\n"
             finally:
                 admission.release(len(requests))

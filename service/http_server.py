@@ -7,6 +7,8 @@ strings (where API keys and other secrets travel).
   idle or trickling connection holds nothing for long. uvicorn closes idle kept-alive
   connections after `timeout_keep_alive`; the app bounds reading the body
   (`ServerSettings.timeout_request_body_s`).
+- When an engine dies, the server exits (status 1), as vLLM's does, for its supervisor to
+  restart it; `/health` answers 503 meanwhile, and requests in flight end with an error.
 - On SIGTERM or SIGINT, uvicorn stops accepting and waits for the requests in flight; at
   `timeout_graceful_shutdown` minus `CUT_MARGIN_S` the responses still running are cut
   (`service.drain`), and at `timeout_graceful_shutdown` whatever is left is cancelled. A second
@@ -20,6 +22,7 @@ import copy
 import logging
 import os
 import socket
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 # Time between cutting the responses still running and cancelling what is left.
 CUT_MARGIN_S = 1.0
 FORCED_EXIT_STATUS = 1
+FAILED_EXIT_STATUS = 1  # an engine died
 
 
 class ServerConfig(uvicorn.Config):
@@ -94,11 +98,25 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
 class Server(uvicorn.Server):
     """uvicorn.Server that cuts the responses in `drain` before its graceful shutdown ends, and
-    exits at once on a second signal."""
+    exits at once on a second signal. `failure()`, checked every tick (0.1 s), says why the
+    server can no longer serve (an engine died): it then shuts down, `exit_status` 1, for its
+    supervisor to start it again."""
 
-    def __init__(self, config: ServerConfig, drain: Drain) -> None:
+    def __init__(
+        self, config: ServerConfig, drain: Drain, failure: Callable[[], str | None] = lambda: None
+    ) -> None:
         super().__init__(config)
         self.drain = drain
+        self.failure = failure
+        self.exit_status = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        reason = self.failure()
+        if reason is not None and not self.should_exit:
+            logger.error("engine stopped (%s): shutting down for the supervisor to restart", reason)
+            self.exit_status = FAILED_EXIT_STATUS
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit:

@@ -35,6 +35,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="native",
         help="native: our engine; vllm: stock vLLM with kvsparse's plugin (needs vLLM installed)",
     )
+    server.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each engine in a process of its own (default: on a GPU; on a CPU the engine "
+        "steps on a thread of the server)",
+    )
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument(
@@ -167,7 +174,12 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         timeout_request_body_s=args.timeout_request_body,
     )
     app = build_standalone_app(
-        engine_config, pools, settings, log_prompts=args.log_prompts, engine=args.engine
+        engine_config,
+        pools,
+        settings,
+        log_prompts=args.log_prompts,
+        engine=args.engine,
+        engine_process=args.engine_process,
     )
     config = ServerConfig(
         app,
@@ -178,8 +190,9 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )
-    Server(config, app.state.drain).run()
-    return 0
+    server = Server(config, app.state.drain, app.state.backend.stopped_engines)
+    server.run()
+    return server.exit_status
 
 
 def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
@@ -203,6 +216,7 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         "max_request_bytes": args.max_request_bytes,
         "log_prompts": args.log_prompts,
         "engine_kind": args.engine,
+        "engine_process": args.engine_process,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "target_ongoing_requests": args.target_ongoing_requests,

@@ -52,9 +52,11 @@ class EngineWorker:
         metrics: MetricsRecorder,
         log_prompts: bool = False,
         engine: str = "native",
+        engine_process: bool | None = None,
     ) -> EngineWorker:
+        """engine_process: our engine in a process of its own (default: on a GPU only)."""
         if engine == "native":
-            llm = AsyncLLM(engine_config, sparsity)
+            llm = AsyncLLM(engine_config, sparsity, engine_process=engine_process)
         elif engine == "vllm":
             from service.vllm_engine import VllmAsyncLLM
 
@@ -68,6 +70,9 @@ class EngineWorker:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Chunks of one request; APIError before the first chunk if the request is invalid."""
         arrival = time.monotonic()
+        if not self.healthy():
+            raise APIError(503, "the engine has stopped; retry later", code="engine_stopped",
+                           retry_after=1)  # fmt: skip
         try:
             prompt_ids, params, outputs = await self._validate(req)
         except APIError:
