@@ -19,11 +19,11 @@ import pytest
 
 from tests.service.servers import MODEL, ServeProcess, metric_sum
 
-pytestmark = pytest.mark.slow
-
+TIME_LIMIT_S = 15 * 60
 REQUESTS, WARM_UP, CLIENTS, SEED = 10_000, 500, 20, 0
 MAX_INFLIGHT = 16  # below CLIENTS: some requests find the server full (429)
-TIME_LIMIT_S = 15 * 60
+# Slow; the bound on its time is the test's own (TIME_LIMIT_S), not the suite's 900 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIME_LIMIT_S + 300)]
 BAD = [{"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": 0},
        {"prompt": "", "max_tokens": 2}, {"prompt": [10**9], "max_tokens": 2},
        {"prompt": "x", "seed": 2**64}, {"prompt": "x", "logprobs": 2},
@@ -32,9 +32,9 @@ BAD = [{"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": 0},
 
 def body(rng: random.Random, stream: bool) -> dict:
     prompt = " ".join(rng.choice(["red", "box", "sky", "cat", "one", "two"]) for _ in range(
-        rng.randint(1, 120)))  # fmt: skip
+        rng.randint(1, 30)))  # fmt: skip
     extra = rng.choice([{}, {"kvsparse": {"policy": "dense"}}, {"temperature": 0.8, "seed": 3}])
-    return {"model": MODEL, "prompt": prompt, "max_tokens": rng.randint(1, 8), "stream": stream,
+    return {"model": MODEL, "prompt": prompt, "max_tokens": rng.randint(1, 4), "stream": stream,
             **extra}  # fmt: skip
 
 
