@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,12 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from service.drain import Drain, shutting_down
 from service.errors import APIError, overloaded
 from service.messages import GenerateRequest
 from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from service.responses import ChatFormat, Choice, CompletionFormat
 from service.settings import ServerSettings
 from service.streams import Backend, close_all, merge, open_streams
+
+logger = logging.getLogger(__name__)
 
 
 class Admission:
@@ -48,11 +52,26 @@ class Admission:
 
 class _ClosingStreamingResponse(StreamingResponse):
     """Closes the body iterator however the response ends, so that a client that goes away
-    aborts its requests at once instead of when the generator is garbage-collected."""
+    aborts its requests at once instead of when the generator is garbage-collected. Cut by a
+    shutdown (its task cancelled through `drain`), it ends with an error event and `[DONE]`."""
+
+    def __init__(self, content: AsyncIterator[str], drain: Drain) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.drain = drain
 
     async def stream_response(self, send: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
         try:
-            await super().stream_response(send)
+            with self.drain.cuttable(task.cancel):
+                await super().stream_response(send)
+        except asyncio.CancelledError:
+            if not self.drain.cutting:
+                raise
+            task.uncancel()
+            end = _sse(shutting_down().body()) + "data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": end.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
@@ -78,11 +97,15 @@ def build_app(
         title="kvsparse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     admission = Admission(settings.max_inflight_requests)
+    drain = app.state.drain = Drain()
     started = int(time.time())
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        response = exc.response()
+        if exc.status == 408:  # the rest of the body may still come: the connection is unusable
+            response.headers["connection"] = "close"
+        return response
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
@@ -106,10 +129,16 @@ def build_app(
         if length.isdigit() and int(length) > limit:
             raise too_large
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limit:
-                raise too_large
+        timeout = settings.timeout_request_body_s
+        try:
+            async with asyncio.timeout(timeout):
+                async for part in request.stream():
+                    body += part
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise APIError(408, f"request body not received within {timeout} s",
+                           code="request_timeout") from None  # fmt: skip
         return bytes(body)
 
     async def generate(
@@ -134,7 +163,6 @@ def build_app(
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 choices.append(Choice(index=len(choices), prompt_index=p))
-                seed = req.seed + j if req.seed is not None else None  # n choices that differ
                 requests.append(
                     GenerateRequest(
                         request_id=f"{fmt.id}-{len(requests)}",
@@ -142,10 +170,14 @@ def build_app(
                         temperature=req.temperature,
                         top_p=req.top_p,
                         top_k=req.top_k,
-                        seed=seed,
+                        seed=req.choice_seed(j),
                         stop=req.stop_list,
                         stop_token_ids=list(req.stop_token_ids or []),
                         ignore_eos=req.ignore_eos,
+                        min_tokens=req.min_tokens,
+                        repetition_penalty=req.repetition_penalty,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
                         **prompt,
                     )
                 )
@@ -181,12 +213,17 @@ def build_app(
             except APIError as exc:  # after the 200 went out: the error is the last event
                 yield _sse(exc.body())
                 yield "data: [DONE]\n\n"
+            except Exception as exc:  # not expected; the client still learns the stream failed
+                logger.exception("stream %s failed", fmt.id)
+                yield _sse(APIError(500, f"stream failed: {type(exc).__name__}",
+                                    code="engine_error").body())  # fmt: skip
+                yield "data: [DONE]\n\n"
             finally:
                 admission.release(len(requests))
                 await close_all(streams)
 
         if req.stream:
-            return _ClosingStreamingResponse(events(), media_type="text/event-stream")
+            return _ClosingStreamingResponse(events(), drain)
 
         async def collect() -> None:
             async with contextlib.aclosing(merge(streams)) as chunks:
@@ -194,7 +231,7 @@ def build_app(
                     take(index, chunk)
 
         try:
-            await _unless_disconnected(request, collect())
+            await _unless_disconnected(request, collect(), drain)
         finally:
             admission.release(len(requests))
             await close_all(streams)
@@ -214,18 +251,27 @@ def build_app(
         prompts = [{"messages": req.template_messages()}]
         return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model))
 
+    card = {
+        "id": settings.served_model_name,
+        "object": "model",
+        "created": started,
+        "owned_by": "kvsparse",
+        "max_model_len": settings.max_model_len,
+        "kvsparse": {"pools": [p.describe() for p in settings.pools]},
+    }
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
-        card = {
-            "id": settings.served_model_name,
-            "object": "model",
-            "created": started,
-            "owned_by": "kvsparse",
-            "max_model_len": settings.max_model_len,
-            "kvsparse": {"pools": [p.describe() for p in settings.pools]},
-        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> dict[str, Any]:
+        authorize(request)
+        if model_id != settings.served_model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist", param="model",
+                           code="model_not_found")  # fmt: skip
+        return card
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -242,8 +288,9 @@ def build_app(
     return app
 
 
-async def _unless_disconnected(request: Request, work: Any) -> None:
-    """Run `work`; if the client goes away first, cancel it (which aborts its requests)."""
+async def _unless_disconnected(request: Request, work: Any, drain: Drain) -> None:
+    """Run `work`; if the client goes away first, or a shutdown cuts it, cancel it (which
+    aborts its requests)."""
 
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -252,11 +299,14 @@ async def _unless_disconnected(request: Request, work: Any) -> None:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        with drain.cuttable(task.cancel):
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
     if task.cancelled():
+        if drain.cutting:
+            raise shutting_down()
         raise APIError(499, "client closed the request", code="client_closed_request")
     task.result()

@@ -1,16 +1,55 @@
 """OpenAI request bodies (parsed strictly: a string is not a number) and the `kvsparse` extension.
 
 Unknown fields are ignored, as vLLM does; fields that would change the answer in a way we cannot
-honour (logprobs, tools, penalties...) are refused with 400 rather than silently dropped.
+honour (logprobs, tools, guided decoding...) are refused with 400 rather than silently dropped:
+`REFUSED` lists them with the values that change nothing, which are accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.errors import APIError
+
+# Field -> its neutral values (accepted: they ask for nothing we do not do). Any other value is
+# a 400 naming the field. Names are OpenAI's and vLLM's.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "logit_bias": (None, {}),
+    "min_p": (None, 0, 0.0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "response_format": (None, {"type": "text"}),
+}
+# Only in completions, and only in chat.
+REFUSED_COMPLETIONS: dict[str, tuple[Any, ...]] = {"echo": (None, False), "suffix": (None, "")}
+REFUSED_CHAT: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+}
+SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as in vLLM
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """`value` is one of `neutral`, a bool matching only a bool (0 is not False here)."""
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
 class _Strict(BaseModel):
@@ -29,7 +68,13 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class SamplingFields(_Strict):
+class SamplingFields(BaseModel):
+    """Fields of both endpoints. Unknown fields are kept (`model_extra`) to be checked against
+    `REFUSED`, then ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = REFUSED
+
     model: str
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -37,30 +82,45 @@ class SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # vLLM's extensions, which load generators (ours included) rely on.
     top_k: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
     kvsparse: KVSparseOptions | None = None
-    # Accepted only at their neutral values.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
 
     def unsupported(self) -> list[str]:
-        names = []
-        if self.presence_penalty:
-            names.append("presence_penalty")
-        if self.frequency_penalty:
-            names.append("frequency_penalty")
-        if self.logit_bias:
-            names.append("logit_bias")
-        if self.logprobs not in (None, False):
-            names.append("logprobs")
-        return names
+        extra = self.model_extra or {}
+        return [
+            name
+            for name, neutral in self.refused.items()
+            if name in extra and not _is_neutral(extra[name], neutral)
+        ]
+
+    def check(self) -> None:
+        """What a field-by-field parse cannot see: refused fields; raises APIError."""
+        unsupported = self.unsupported()
+        if unsupported:
+            raise APIError(
+                400,
+                f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not "
+                "supported",
+                param=unsupported[0],
+                code="unsupported_parameter",
+            )
+
+    def choice_seed(self, index: int) -> int | None:
+        """Choice `index`'s seed: `seed + index`, wrapped into the seed's range, so that the
+        `n` choices of a seeded request differ."""
+        if self.seed is None:
+            return None
+        low, high = SEED_RANGE
+        return (self.seed + index - low) % (high - low + 1) + low
 
     @property
     def stop_list(self) -> list[str]:
@@ -70,18 +130,20 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = {**REFUSED, **REFUSED_COMPLETIONS}
+
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    echo: bool = False
-    suffix: str | None = None
+    max_tokens: int = Field(default=16, ge=1)
     best_of: int | None = None
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any) -> Any:
+        """`"max_tokens": null` means the default, 16, as OpenAI answers it."""
+        return 16 if value is None else value
 
     def unsupported(self) -> list[str]:
         names = super().unsupported()
-        if self.echo:
-            names.append("echo")
-        if self.suffix:
-            names.append("suffix")
         if self.best_of not in (None, self.n):
             names.append("best_of")
         return names
@@ -96,14 +158,16 @@ class CompletionRequest(SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Strict):
+    """A part of a message's content; only text parts are served (the models take text only)."""
+
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
@@ -111,26 +175,28 @@ class ChatMessage(_Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, tuple[Any, ...]]] = {**REFUSED, **REFUSED_CHAT}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
-    def unsupported(self) -> list[str]:
-        names = super().unsupported()
-        if self.tools:
-            names.append("tools")
-        if self.tool_choice not in (None, "none"):
-            names.append("tool_choice")
-        if self.response_format not in (None, {"type": "text"}):
-            names.append("response_format")
-        return names
+    def check(self) -> None:
+        super().check()
+        for m, message in enumerate(self.messages):
+            for p, part in enumerate(message.content if isinstance(message.content, list) else []):
+                where = f"messages.{m}.content.{p}"
+                if part.type != "text":
+                    raise APIError(400, f"{where}: content parts of type {part.type!r} are not "
+                                   "supported; this model takes text only", param="messages",
+                                   code="unsupported_parameter")  # fmt: skip
+                if part.text is None:
+                    raise APIError(400, f"{where}.text: Field required", param="messages",
+                                   code="missing_required_parameter")  # fmt: skip
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -147,14 +213,7 @@ def parse(model: type[SamplingFields], body: bytes) -> Any:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise _as_api_error(exc) from None
-    unsupported = request.unsupported()
-    if unsupported:
-        raise APIError(
-            400,
-            f"{', '.join(unsupported)} {'is' if len(unsupported) == 1 else 'are'} not supported",
-            param=unsupported[0],
-            code="unsupported_parameter",
-        )
+    request.check()
     return request
 
 
@@ -177,7 +236,7 @@ def _as_api_error(exc: ValidationError) -> APIError:
     param = loc[0] if loc else None
     code = "missing_required_parameter" if error["type"] == "missing" else "invalid_type"
     if error["type"].endswith(
-        ("greater_than_equal", "greater_than", "less_than_equal", "too_short")
+        ("greater_than_equal", "greater_than", "less_than_equal", "less_than", "too_short")
     ):
         code = "invalid_value"
     return APIError(400, f"{'.'.join(loc)}: {error['msg']}", param=param, code=code)

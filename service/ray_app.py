@@ -44,13 +44,12 @@ from service.settings import (
     ServerSettings,
     apply_serving_defaults,
     parse_pools,
+    resolve_api_key,
 )
 from service.streams import every_n_tokens
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig
-
-API_KEY_ENV = "KVSPARSE_API_KEY"
 
 
 @dataclass
@@ -69,6 +68,11 @@ class RayAppConfig:
     max_request_bytes: int = 4 * 2**20
     log_prompts: bool = False
     engine_kind: str = "native"  # or "vllm": stock vLLM with kvsparse's plugin
+    engine_process: bool | None = None  # each engine in a process of its own; None: on a GPU
+    # How often Serve checks each replica's health (an engine that died fails it; Serve then
+    # replaces the replica), and how long a check may take.
+    health_check_period_s: float = 10.0
+    health_check_timeout_s: float = 30.0
     # Engine deployments (each pool scales on its own).
     min_replicas: int = 1
     max_replicas: int = 1
@@ -85,6 +89,9 @@ class RayAppConfig:
     num_cpus_per_replica: float = 1
     routing_stats_period_s: float = 1.0
     ingress_replicas: int = 1
+    # A replica being stopped (scaled down, or its pod terminated) waits this long for its
+    # requests before it is killed: below Kubernetes' 30 s grace period (the chart checks).
+    graceful_shutdown_timeout_s: float = 25.0
     ingress_num_cpus: float = 0  # the ingress is I/O bound; engines get the CPUs
 
     @classmethod
@@ -153,6 +160,7 @@ class EngineDeployment:
         log_prompts: bool,
         engine_kind: str = "native",
         stream_interval: int = RayAppConfig.stream_interval,
+        engine_process: bool | None = None,
     ) -> None:
         from service.worker import EngineWorker
         from sparse_core.config import EngineConfig, SparsityConfig
@@ -160,7 +168,12 @@ class EngineDeployment:
         replica = serve.get_replica_context().replica_id.unique_id
         recorder = Metrics.ray().recorder(model_name=served_model_name, pool=pool, replica=replica)
         self.worker = EngineWorker.start(
-            EngineConfig(**engine), SparsityConfig(**sparsity), recorder, log_prompts, engine_kind
+            EngineConfig(**engine),
+            SparsityConfig(**sparsity),
+            recorder,
+            log_prompts,
+            engine_kind,
+            engine_process,
         )
         self._metrics_task = asyncio.create_task(self.worker.publish_metrics_forever())
         self.stream_interval = stream_interval
@@ -198,6 +211,7 @@ class RayBackend:
         self.engines = engines
 
     async def stream(self, pool: str, request: GenerateRequest) -> AsyncIterator[Chunk]:
+        from ray.exceptions import ActorUnavailableError, RayActorError
         from ray.serve.exceptions import BackPressureError
 
         response = self.engines[pool].options(stream=True).generate.remote(request)
@@ -212,6 +226,9 @@ class RayBackend:
             raise overloaded(
                 f"the {pool} engines' queues are full; retry later", status=503
             ) from None
+        except (RayActorError, ActorUnavailableError) as exc:  # the replica died
+            message = f"the {pool} engine replica stopped ({type(exc).__name__}); retry"
+            raise APIError(503, message, code="engine_stopped", retry_after=1) from None
         finally:
             if not done:
                 # Aborts the request in the replica, freeing its KV blocks. Cancelling a request
@@ -239,8 +256,9 @@ class RayBackend:
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, engines: dict[str, DeploymentHandle], settings: ServerSettings) -> None:
-        if settings.api_key is None and os.environ.get(API_KEY_ENV):
-            settings = dataclasses.replace(settings, api_key=os.environ[API_KEY_ENV])
+        settings = dataclasses.replace(
+            settings, api_key=resolve_api_key(settings.api_key, os.environ)
+        )
         self._app = build_asgi_app(RayBackend(engines), settings)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -273,6 +291,9 @@ def engine_options(cfg: RayAppConfig, engine: EngineConfig) -> dict[str, Any]:
         "target_ongoing_requests": cfg.target_ongoing_requests,
     }
     return {
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
+        "health_check_period_s": cfg.health_check_period_s,
+        "health_check_timeout_s": cfg.health_check_timeout_s,
         "autoscaling_config": autoscaling,
         "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,
         "max_queued_requests": cfg.max_queued_requests,
@@ -289,6 +310,7 @@ def ingress_options(cfg: RayAppConfig, max_inflight: int) -> dict[str, Any]:
     """Serve options of the ingress deployment: it takes every request it may hold in flight
     (beyond them it answers 429 itself), so Serve never queues requests in front of it."""
     return {
+        "graceful_shutdown_timeout_s": cfg.graceful_shutdown_timeout_s,
         "num_replicas": cfg.ingress_replicas,
         "max_ongoing_requests": max_inflight,
         "ray_actor_options": {"num_cpus": cfg.ingress_num_cpus},
@@ -309,7 +331,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         pool = PoolSpec.of(sparsity).name
         engines[pool] = EngineDeployment.options(name=f"KVSparseEngine-{pool}", **options).bind(
             dataclasses.asdict(engine), dataclasses.asdict(sparsity), served_name, pool,
-            cfg.log_prompts, cfg.engine_kind, cfg.stream_interval,
+            cfg.log_prompts, cfg.engine_kind, cfg.stream_interval, cfg.engine_process,
         )  # fmt: skip
     max_inflight = cfg.ingress_max_inflight(engine, len(pools))
     settings = ServerSettings(

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import os
 import signal
 import sys
 from typing import TYPE_CHECKING
 
-from service.settings import apply_serving_defaults
+from service.settings import (
+    API_KEY_ENV,
+    apply_serving_defaults,
+    check_api_key,
+    resolve_api_key,
+)
 from sparse_core import cli as engine_cli
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig, SparsityConfig
 
-API_KEY_ENV = "KVSPARSE_API_KEY"
+logger = logging.getLogger(__name__)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +35,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default="native",
         help="native: our engine; vllm: stock vLLM with kvsparse's plugin (needs vLLM installed)",
     )
+    server.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each engine in a process of its own (default: on a GPU; on a CPU the engine "
+        "steps on a thread of the server)",
+    )
     server.add_argument("--host", default="0.0.0.0")
     server.add_argument("--port", type=int, default=8000)
     server.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV})",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}); an empty "
+        "key is an error",
     )
     server.add_argument("--served-model-name", default=None, help="default: the model argument")
     server.add_argument(
@@ -51,6 +65,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "with --ray, that per engine replica the pools can scale to)",
     )
     server.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    timeouts = parser.add_argument_group("timeouts (seconds)")
+    timeouts.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=10.0,
+        help="a request's headers must arrive within this of the connection (else 408)",
+    )
+    timeouts.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=30.0,
+        help="a request's body must arrive within this of its headers (else 408)",
+    )
+    timeouts.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="idle kept-alive connections close"
+    )
+    timeouts.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=25.0,
+        help="on SIGTERM, requests in flight get this long (below Kubernetes' 30 s grace); "
+        "streams still running are then ended with an error event; a second signal exits now",
+    )
     server.add_argument("--log-prompts", action="store_true", help="log prompts (off: never)")
     server.add_argument("--log-level", default="info")
     ray = parser.add_argument_group("ray serve (--ray)")
@@ -88,10 +125,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model_arg:
         args.model = args.model_arg
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    args.api_key = resolve_api_key(args.api_key, os.environ)
+    check_api_key(args.api_key)  # before the model loads
+    if args.api_key is None and not _is_loopback(args.host):
+        logger.warning(
+            "serving on %s without an API key: anyone who can reach port %d can use the model; "
+            "set --api-key or $%s",
+            args.host,
+            args.port,
+            API_KEY_ENV,
+        )
     engine_config, sparsity = serving_configs(args)
     if args.ray:
         return _serve_ray(args, engine_config, sparsity)
     return _serve_standalone(args, engine_config, sparsity)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
 
 
 def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityConfig]:
@@ -102,8 +158,7 @@ def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityCon
 
 
 def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
-    import uvicorn
-
+    from service.http_server import Server, ServerConfig
     from service.settings import PoolSpec, ServerSettings, parse_pools
     from service.standalone import build_standalone_app
 
@@ -112,16 +167,32 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         served_model_name=args.served_model_name or args.model,
         max_model_len=engine_config.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
-        api_key=args.api_key or None,
+        api_key=args.api_key,
         max_inflight_requests=args.max_inflight_requests
         or 4 * engine_config.max_num_seqs * len(pools),
         max_request_bytes=args.max_request_bytes,
+        timeout_request_body_s=args.timeout_request_body,
     )
     app = build_standalone_app(
-        engine_config, pools, settings, log_prompts=args.log_prompts, engine=args.engine
+        engine_config,
+        pools,
+        settings,
+        log_prompts=args.log_prompts,
+        engine=args.engine,
+        engine_process=args.engine_process,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    config = ServerConfig(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_request_header=args.timeout_request_header,
+        timeout_keep_alive=args.timeout_keep_alive,
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )
+    server = Server(config, app.state.drain, app.state.backend.stopped_engines)
+    server.run()
+    return server.exit_status
 
 
 def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
@@ -141,10 +212,11 @@ def _serve_ray(args: argparse.Namespace, engine_config, sparsity) -> int:
         "sparsity": dataclasses.asdict(sparsity),
         "pools": args.pools,
         "served_model_name": args.served_model_name,
-        "api_key": args.api_key or None,
+        "api_key": args.api_key,
         "max_request_bytes": args.max_request_bytes,
         "log_prompts": args.log_prompts,
         "engine_kind": args.engine,
+        "engine_process": args.engine_process,
         "min_replicas": args.min_replicas,
         "max_replicas": args.max_replicas,
         "target_ongoing_requests": args.target_ongoing_requests,

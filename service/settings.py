@@ -9,6 +9,7 @@ the server's limit: requests cannot make an engine keep more KV than it was size
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,24 @@ from service.protocol import KVSparseOptions
 
 if TYPE_CHECKING:
     from sparse_core.config import SparsityConfig
+
+
+API_KEY_ENV = "KVSPARSE_API_KEY"
+
+
+def resolve_api_key(given: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key given (--api-key, a Serve config's `api_key`), else $KVSPARSE_API_KEY; None
+    serves without authentication."""
+    return given if given is not None else environ.get(API_KEY_ENV)
+
+
+def check_api_key(key: str | None) -> None:
+    """An empty key (`--api-key "$KEY"` with KEY unset) is an error, not authentication off."""
+    if key is not None and not key.strip():
+        raise ValueError(
+            f"the API key (--api-key, or ${API_KEY_ENV}) is empty (an unset shell variable?); "
+            "give a key, or leave both out to serve without authentication"
+        )
 
 
 def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
@@ -88,6 +107,12 @@ class ServerSettings:
     max_inflight_requests: int = 256
     max_request_bytes: int = 4 * 2**20
     max_choices: int = 16  # prompts x n per request
+    # A body not received whole within this is answered 408 (a client trickling it holds a
+    # connection, and a shutdown, no longer).
+    timeout_request_body_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_api_key(self.api_key)
 
     def select_pool(self, options: KVSparseOptions | None) -> PoolSpec:
         if options is None or (options.policy is None and options.budget is None):

@@ -26,10 +26,15 @@ class LocalBackend:
     def stream(self, pool: str, request: GenerateRequest) -> AsyncIterator[Chunk]:
         return self.workers[pool].generate(request)
 
-    async def check_health(self) -> None:
+    def stopped_engines(self) -> str | None:
+        """The pools whose engine has stopped (died), or None while all run."""
         stopped = [name for name, w in self.workers.items() if not w.healthy()]
+        return ", ".join(stopped) if stopped else None
+
+    async def check_health(self) -> None:
+        stopped = self.stopped_engines()
         if stopped:
-            raise APIError(503, f"engine stopped: {', '.join(stopped)}", code="engine_stopped")
+            raise APIError(503, f"engine stopped: {stopped}", code="engine_stopped")
 
     async def start(self) -> None:
         self._tasks = [
@@ -49,8 +54,10 @@ def build_standalone_app(
     settings: ServerSettings,
     log_prompts: bool = False,
     engine: str = "native",
+    engine_process: bool | None = None,
 ) -> FastAPI:
-    """Load every pool's engine (before the server listens) and wrap them in the app."""
+    """Load every pool's engine (before the server listens) and wrap them in the app
+    (`app.state.backend` is the LocalBackend)."""
     from prometheus_client import CollectorRegistry
 
     registry = CollectorRegistry()
@@ -59,5 +66,10 @@ def build_standalone_app(
     for sparsity in pools:
         name = PoolSpec.of(sparsity).name
         recorder = metrics.recorder(model_name=settings.served_model_name, pool=name)
-        workers[name] = EngineWorker.start(engine_config, sparsity, recorder, log_prompts, engine)
-    return build_app(LocalBackend(workers), settings, registry)
+        workers[name] = EngineWorker.start(
+            engine_config, sparsity, recorder, log_prompts, engine, engine_process
+        )
+    backend = LocalBackend(workers)
+    app = build_app(backend, settings, registry)
+    app.state.backend = backend
+    return app

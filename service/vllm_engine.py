@@ -132,5 +132,9 @@ def _vllm_params(params: SamplingParams) -> Any:
         stop=list(params.stop),
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
         output_kind=RequestOutputKind.CUMULATIVE,
     )

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from service.errors import APIError
 from service.messages import Chunk, GenerateRequest, RoutingStats
@@ -41,6 +42,7 @@ class EngineWorker:
         self.metrics = metrics
         self.log_prompts = log_prompts
         self.max_model_len = config.max_model_len
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="kvsparse-tokenizer")
 
     @classmethod
     def start(
@@ -50,9 +52,11 @@ class EngineWorker:
         metrics: MetricsRecorder,
         log_prompts: bool = False,
         engine: str = "native",
+        engine_process: bool | None = None,
     ) -> EngineWorker:
+        """engine_process: our engine in a process of its own (default: on a GPU only)."""
         if engine == "native":
-            llm = AsyncLLM(engine_config, sparsity)
+            llm = AsyncLLM(engine_config, sparsity, engine_process=engine_process)
         elif engine == "vllm":
             from service.vllm_engine import VllmAsyncLLM
 
@@ -66,8 +70,11 @@ class EngineWorker:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         """Chunks of one request; APIError before the first chunk if the request is invalid."""
         arrival = time.monotonic()
+        if not self.healthy():
+            raise APIError(503, "the engine has stopped; retry later", code="engine_stopped",
+                           retry_after=1)  # fmt: skip
         try:
-            prompt_ids, params, outputs = self._validate(req)
+            prompt_ids, params, outputs = await self._validate(req)
         except APIError:
             self.metrics.failed()
             raise
@@ -116,12 +123,19 @@ class EngineWorker:
                 self.metrics.failed()
             self.metrics.engine_state(self.llm.stats())
 
-    def _validate(
+    async def _validate(
         self, req: GenerateRequest
     ) -> tuple[list[int], SamplingParams, AsyncIterator[RequestOutput]]:
         """The request's prompt ids, sampling params and engine stream (our engine has queued
-        the request already; vLLM's queues it when the stream is first read)."""
-        prompt_ids, param = self._prompt_ids(req)
+        the request already; vLLM's queues it when the stream is first read).
+
+        Nothing here may hold the event loop for long, or every stream and `/health` would
+        wait: a text longer than the context could hold is refused by its size, and the
+        tokenizer and chat template run on a thread of their own (one: a Hugging Face tokenizer
+        is not safe to call from two threads at once)."""
+        self._check_size(req)
+        loop = asyncio.get_running_loop()
+        prompt_ids, param = await loop.run_in_executor(self._tokenizing, self._prompt_ids, req)
         params = self._sampling_params(req, len(prompt_ids))
         try:
             # The engine validates eagerly (KV capacity, ids): errors are 4xx before streaming.
@@ -129,6 +143,29 @@ class EngineWorker:
         except ValueError as exc:
             raise APIError(400, str(exc), param=param) from None
         return prompt_ids, params, outputs
+
+    def _check_size(self, req: GenerateRequest) -> None:
+        """Refuse a text prompt that has more tokens than the context for its length alone."""
+        if req.messages is not None:
+            param, chars = "messages", sum(len(m["content"]) for m in req.messages)
+        elif isinstance(req.prompt, str):
+            param, chars = "prompt", len(req.prompt)
+        else:
+            return
+        try:
+            per_token = self.llm.tokenizer.max_token_chars
+        except ValueError:  # no tokenizer: refused with its reason when tokenized
+            return
+        limit = self.max_model_len * per_token
+        if chars > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"{param} has {chars} characters, more than that many tokens can hold (at most "
+                f"{per_token} characters each)",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _prompt_ids(self, req: GenerateRequest) -> tuple[list[int], str]:
         tokenizer = self.llm.tokenizer
@@ -176,9 +213,15 @@ class EngineWorker:
                 stop=list(req.stop),
                 stop_token_ids=list(req.stop_token_ids),
                 ignore_eos=req.ignore_eos,
+                min_tokens=req.min_tokens,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
             )
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # its message starts with the field's name
+            field = str(exc).split(" ", 1)[0]
+            param = field if field in GenerateRequest.__dataclass_fields__ else None
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
     # -- state --------------------------------------------------------------------------------
 
@@ -201,4 +244,5 @@ class EngineWorker:
             await asyncio.sleep(interval_s)
 
     def shutdown(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.llm.shutdown()

@@ -380,7 +380,7 @@ class LLMEngine:
         launched = time.monotonic()
         if record is not None:
             record.kernel_first_launch_seconds = kernel_first_launch_seconds() - first_launches
-        tokens = self.runner.sample_tokens(step, logits, wanted)
+        tokens = self.runner.sample_tokens(step, logits, wanted, decode_input_ids)
         return _Flight(step, wanted, tokens, start, launched, record)
 
     def _launch_ahead(self, flight: _Flight) -> _Flight | None:
@@ -440,7 +440,8 @@ class LLMEngine:
         new_text = self._detokenizers[seq.request_id].append(token)
         if new_text:
             seq.text += new_text
-            for stop in params.stop:
+            # Before min_tokens outputs, stop strings do not end the request (as in vLLM).
+            for stop in params.stop if len(seq.output_token_ids) > params.min_tokens else ():
                 # A stop string can only start inside the last len(new_text) + len(stop) chars.
                 at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop)))
                 if at != -1:

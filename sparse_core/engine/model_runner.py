@@ -236,11 +236,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_tokens(
-        self, step: ScheduledStep, logits: torch.Tensor, wanted: list[bool]
+        self,
+        step: ScheduledStep,
+        logits: torch.Tensor,
+        wanted: list[bool],
+        decode_input_ids: torch.Tensor | None = None,
     ) -> PendingTokens:
         """Queue the choice of every sequence's next token, in `step.seqs` order; rows not
-        `wanted` (a forced token's or an early chunk's prediction) draw nothing."""
-        return PendingTokens(sample(logits, step.seqs, self.generator, wanted))
+        `wanted` (a forced token's or an early chunk's prediction) draw nothing.
+        `decode_input_ids` as for `launch`: outputs not appended yet, which penalties count."""
+        return PendingTokens(sample(logits, step.seqs, self.generator, wanted, decode_input_ids))
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:

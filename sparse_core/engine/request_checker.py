@@ -3,6 +3,7 @@ engine state: a front end in another process checks a request exactly as the eng
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from sparse_core.cache.block_manager import cdiv
@@ -49,6 +50,8 @@ class RequestChecker:
                 f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
                 f"room for at least one generated token"
             )
+        if params.min_tokens:  # the sampler bans EOS until then
+            params = dataclasses.replace(params, eos_token_ids=self.tokenizer.eos_token_ids)
         seq = Sequence(request_id, token_ids, params, len(self.plan.groups), prompt=text)
         reason = self.why_never_fits(seq)
         if reason is not None:

@@ -1,5 +1,6 @@
-"""Next-token choice for a batch, on the logits' device: greedy rows by argmax, the rest drawn
-from their temperature-scaled distribution after top-k and top-p, by inverse CDF.
+"""Next-token choice for a batch, on the logits' device: penalties and `min_tokens` bans applied
+to the logits first, then greedy rows by argmax, the rest drawn from their temperature-scaled
+distribution after top-k and top-p, by inverse CDF.
 
 Every sampled row draws one uniform number on the host, from its sequence's own generator when
 the request has a `seed` (so its output does not depend on what else is in the batch) and from
@@ -18,14 +19,21 @@ from sparse_core.engine.transfers import to_device
 
 
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator, wanted: list[bool]
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    generator: torch.Generator,
+    wanted: list[bool],
+    pending_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> one token id per sequence, int64 [B] on the logits' device.
 
     Rows that are not wanted (a forced prompt token's or an early chunk's prediction) draw
     nothing, so a split prompt samples like a whole one; their ids are the argmax, to be
-    ignored.
+    ignored. `pending_ids` (int64 [D] on the device), for a step launched ahead: the input
+    tokens of its last D rows, sampled by the step before and not yet in their sequences'
+    outputs, which penalties and `min_tokens` count as outputs.
     """
+    logits = _adjusted(logits, seqs, wanted, pending_ids)
     tokens = logits.argmax(dim=-1)
     rows = [r for r, seq in enumerate(seqs) if wanted[r] and not seq.params.greedy]
     if rows:
@@ -47,6 +55,74 @@ def sample(
             uniforms=settings[2],
         )
     return tokens
+
+
+def _adjusted(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    wanted: list[bool],
+    pending_ids: torch.Tensor | None,
+) -> torch.Tensor:
+    """The logits with penalties applied and tokens banned by `min_tokens` at -inf (a copy,
+    only when some row has either; rows without are untouched)."""
+    first_pending = len(seqs) - (0 if pending_ids is None else pending_ids.shape[0])
+
+    def num_outputs(row: int) -> int:
+        return len(seqs[row].output_token_ids) + (row >= first_pending)
+
+    banned = [
+        (row, token)
+        for row, seq in enumerate(seqs)
+        if wanted[row] and num_outputs(row) < seq.params.min_tokens
+        for token in seq.params.banned_until_min_tokens()
+    ]
+    rows = [r for r, seq in enumerate(seqs) if wanted[r] and seq.params.penalizes]
+    if not banned and not rows:
+        return logits
+    logits = logits.clone()
+    device, vocab = logits.device, logits.shape[-1]
+    if rows:
+        index = to_device(rows, torch.int64, device)
+        outputs = _padded([seqs[r].output_token_ids for r in rows], vocab, device)
+        if pending_ids is not None:
+            at = [r - first_pending for r in rows]
+            newest = pending_ids[to_device([max(a, 0) for a in at], torch.int64, device)]
+            is_pending = to_device([a >= 0 for a in at], torch.bool, device)
+            outputs = torch.cat([outputs, torch.where(is_pending, newest, vocab)[:, None]], dim=1)
+        counts = _histogram(outputs, vocab)
+        in_prompt = _histogram(_padded([seqs[r].prompt_token_ids for r in rows], vocab, device),
+                               vocab) > 0  # fmt: skip
+        params = [seqs[r].params for r in rows]
+        settings = to_device(
+            [
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            ],
+            torch.float32,
+            device,
+        )[:, :, None]
+        scores = logits[index]
+        repeated = torch.where(scores > 0, scores / settings[0], scores * settings[0])
+        scores = torch.where(in_prompt | (counts > 0), repeated, scores)
+        scores -= settings[2] * counts + settings[1] * (counts > 0)
+        logits[index] = scores
+    if banned:
+        at = to_device(banned, torch.int64, device)
+        logits[at[:, 0], at[:, 1]] = float("-inf")
+    return logits
+
+
+def _padded(ids: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """int64 [R, longest] on the device, short rows filled with `pad`."""
+    longest = max(map(len, ids))
+    return to_device([row + [pad] * (longest - len(row)) for row in ids], torch.int64, device)
+
+
+def _histogram(ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [R, vocab]: occurrences of each id per row (ids equal to `vocab` are padding)."""
+    counts = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+    return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :vocab]
 
 
 def _draw(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._hf is not None and bool(self._hf.chat_template)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest entry of the
+        vocabulary (byte-level entries have a character per byte; `<0x0A>`-style byte tokens
+        are longer than their text). A text longer than n times this has more than n tokens,
+        which a server checks before it tokenizes."""
+        return max(map(len, self._backend().get_vocab()))
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend().encode(text, add_special_tokens=add_special_tokens)
 
@@ -70,8 +79,46 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the chat prompt. The template writes any BOS itself, so encoding adds no
-        special tokens (Llama 3 would otherwise start with two)."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        special tokens (Llama 3 would otherwise start with two).
+
+        Special-token text inside a message's content (`<|im_end|>` typed by a user) is plain
+        text, as OpenAI treats it: only the template's own markup becomes control tokens, so no
+        message can forge a role boundary. Such content is tokenized on its own, its special
+        tokens split; a template that changes contents (trims them) cannot be split so, and then
+        such content is refused (ValueError)."""
+        text = self.apply_chat_template(messages)
+        specials = self.special_token_texts
+        if not any(t in m["content"] for m in messages for t in specials):
+            return self.encode(text, add_special_tokens=False)
+        marks = [f"kvsparse{i}content{id(messages)}" for i in range(len(messages))]
+        marked = self.apply_chat_template(
+            [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+        )
+        pieces, rest = [], marked
+        for mark in marks:
+            before, found, rest = rest.partition(mark)
+            if not found:
+                break
+            pieces.append(before)
+        if len(pieces) != len(messages) or text != _join(pieces, messages, rest):
+            raise ValueError(
+                "message content contains the model's special-token text (such as "
+                f"{sorted(specials)[0]!r}), which this model's chat template cannot keep as text"
+            )
+        ids: list[int] = []
+        for piece, message in zip(pieces, messages, strict=True):
+            ids += self.encode(piece, add_special_tokens=False)
+            ids += self._backend().encode(
+                message["content"], add_special_tokens=False, split_special_tokens=True
+            )
+        return ids + self.encode(rest, add_special_tokens=False)
+
+    @functools.cached_property
+    def special_token_texts(self) -> frozenset[str]:
+        """The text of every special token that encoding turns into one control token."""
+        if self._hf is None:
+            return frozenset()
+        return frozenset(t.content for t in self._hf.added_tokens_decoder.values() if t.special)
 
     def _backend(self) -> Any:
         if self._hf is None:
@@ -79,6 +126,11 @@ class Tokenizer:
                 f"the model {self.source} has no tokenizer files; only token ids can be used"
             )
         return self._hf
+
+
+def _join(pieces: list[str], messages: list[dict], rest: str) -> str:
+    """The template's pieces with each message's content after its piece."""
+    return "".join(p + m["content"] for p, m in zip(pieces, messages, strict=True)) + rest
 
 
 UNKNOWN_ID_TEXT = "\u00b7"
@@ -100,6 +152,10 @@ class ByteTokenizer(Tokenizer):
     @property
     def has_chat_template(self) -> bool:
         return True
+
+    @property
+    def max_token_chars(self) -> int:
+        return 1  # a byte: at most one character
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))

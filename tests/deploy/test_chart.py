@@ -262,6 +262,18 @@ def test_download_needs_the_cache(helm: str) -> None:
         render(helm, {"model": {"cache": {"enabled": False}}})
 
 
+def test_replicas_drain_within_the_pods_grace_period(helm: str) -> None:
+    """Serve's graceful shutdown of a replica ends before Kubernetes kills its pod."""
+    (rs,) = by_kind(render(helm, {}), "RayService")
+    cluster = rs["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]]
+    pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
+    grace = {pod["terminationGracePeriodSeconds"] for pod in pods}
+    assert serve_app(rs)["args"]["graceful_shutdown_timeout_s"] < min(grace) == 30
+    with pytest.raises(AssertionError, match=r"gracefulShutdownTimeoutS must be below"):
+        render(helm, {"serve": {"gracefulShutdownTimeoutS": 30}})
+
+
 def test_dockerfile_matches_chart(helm: str) -> None:
     """The image the chart runs: KubeRay starts `ray start` itself, as uid 1000."""
     text = (ROOT / "Dockerfile").read_text()

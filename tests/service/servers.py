@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import uvicorn
@@ -58,6 +63,49 @@ def run_server(app, api_key: str | None) -> Iterator[Server]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@dataclass
+class ServeProcess:
+    """`kvsparse serve ARGS` as a user runs it: a process of its own, its output in a file."""
+
+    args: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+
+    def __post_init__(self) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")  # noqa: SIM115
+        command = [sys.executable, "-m", "service.cli", "serve", *self.args,
+                   "--port", str(self.port)]  # fmt: skip
+        self.process = subprocess.Popen(command, env={**os.environ, **self.env},
+                                        stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_healthy(self, timeout: float = 120) -> ServeProcess:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.process.poll() is None, self.output()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return self
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self.log.close()
 
 
 def standalone(

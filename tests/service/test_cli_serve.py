@@ -5,39 +5,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.service.servers import free_port
+from tests.service.servers import ServeProcess
 
 
 @pytest.fixture(scope="module")
 def served():
-    port = free_port()
-    env = {**os.environ, "KVSPARSE_API_KEY": "env-key"}
-    command = [sys.executable, "-m", "service.cli", "serve", "dummy:tiny", "--host", "127.0.0.1",
-               "--port", str(port), "--policy", "dense", "--max-model-len", "256",
-               "--kv-cache-memory-gb", "0.01", "--served-model-name", "tiny",
-               "--log-level", "warning"]  # fmt: skip
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    server = ServeProcess(["dummy:tiny", "--host", "127.0.0.1", "--policy", "dense",
+                           "--max-model-len", "256", "--kv-cache-memory-gb", "0.01",
+                           "--served-model-name", "tiny", "--log-level", "warning"],
+                          env={"KVSPARSE_API_KEY": "env-key"})  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read().decode()
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-        yield base
+        yield server.wait_healthy().base_url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        server.signal()
+        server.process.wait(timeout=30)
+        server.stop()
 
 
 def test_serves_the_model_under_its_served_name(served):
@@ -88,3 +74,17 @@ def test_a_serve_config_file_gets_the_same_defaults():
     assert engine.space_admissions and engine.max_num_batched_tokens == 4608
     engine = RayAppConfig(engine={"space_admissions": False}).engine_config()
     assert not engine.space_admissions and engine.max_num_batched_tokens == 8192
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [(["--api-key", ""], {"KVSPARSE_API_KEY": "env-key"}), ([], {"KVSPARSE_API_KEY": " "})],
+)
+def test_an_empty_api_key_is_refused_at_start_up(flags, env):
+    """Not authentication turned off: `--api-key "$KEY"` with KEY unset gives an empty key."""
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", "dummy:tiny", *flags],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **env},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "API key" in result.stderr and "empty" in result.stderr

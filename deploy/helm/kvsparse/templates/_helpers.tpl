@@ -50,6 +50,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "engine_kind" .Values.engineKind -}}
 {{- end }}
 {{- $_ := set $args "stream_interval" (int .Values.serve.streamInterval) -}}
+{{- if ge (float64 .Values.serve.gracefulShutdownTimeoutS) (float64 .Values.terminationGracePeriodSeconds) }}
+{{- fail "serve.gracefulShutdownTimeoutS must be below terminationGracePeriodSeconds: a replica draining its requests would be killed first" }}
+{{- end }}
+{{- $_ := set $args "graceful_shutdown_timeout_s" .Values.serve.gracefulShutdownTimeoutS -}}
 {{- if not (kindIs "invalid" .Values.serve.maxInflightRequests) }}
 {{- $_ := set $args "max_inflight_requests" (int .Values.serve.maxInflightRequests) -}}
 {{- end }}
