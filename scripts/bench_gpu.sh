@@ -9,6 +9,9 @@
 #   cap24          bench throughput, dense / snapkv / pyramid, GPU memory capped at 24 GB
 #   uncapped       bench throughput, dense / snapkv, no cap
 #   cap24-fp8      bench throughput, dense / snapkv with FP8 weights (--quantization fp8), 24 GB cap
+#   cap24-budgets  bench throughput, snapkv with the calibrated per-layer budgets (SmolLM2's
+#                  profile laid onto the 32 layers by depth) at $BUDGET_TARGETS (default 2 3 4)
+#                  effective compression, 24 GB cap: the accuracy sweep's operating points
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
@@ -63,6 +66,16 @@ step_cap24-fp8() {
     python3 -m service.cli bench throughput --policies dense,snapkv --quantization fp8 \
         --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_cap24_fp8.json" 2>"$OUT/throughput_cap24_fp8.log"
+}
+
+step_cap24-budgets() {
+    local r
+    for r in ${BUDGET_TARGETS:-2 3 4}; do
+        python3 -m service.cli bench throughput --policies snapkv --layer-budgets auto \
+            --target-compression "$r" --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
+            --json "$OUT/throughput_cap24_budgets${r}x.json" \
+            2>"$OUT/throughput_cap24_budgets${r}x.log"
+    done
 }
 
 step_uncapped() {
