@@ -277,8 +277,8 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
     damages = lb.measure(probe_results, num_layers, args.band_size, levels)
     for d in damages:
         _note(
-            f"layers {cal.span(d.layers)}: "
-            + "  ".join(f"{r}x alone {d.alone[r]:.1f} rescue {d.rescue[r]:.1f}" for r in levels)
+            f"layers {cal.span(d.layers)}: damage "
+            + "  ".join(f"{r}x {v:.1f}" for r, v in d.damage.items())
         )
     out_dir = Path(args.profile_dir) if args.profile_dir else LAYER_BUDGET_DIR / name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -293,17 +293,13 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             "layer_ratios": list(ratios),
             "levels": levels,
             "method": (
-                f"snapkv; per band of {args.band_size} layers and level, cost = divergence from "
-                f"dense compressing only the band + divergence regained keeping only it whole; "
-                f"levels by exact knapsack minimising summed cost under {target:g}x"
+                f"snapkv; per band of {args.band_size} layers, divergence from dense with only "
+                f"the band compressed at each level; levels chosen by exact knapsack minimising "
+                f"summed divergence under {target:g}x"
             ),
-            "predicted_cost": round(damage, 2),
+            "predicted_damage": round(damage, 2),
             "sensitivity": [
-                {
-                    "layers": d.layers,
-                    "alone": {str(r): round(v, 2) for r, v in d.alone.items()},
-                    "rescue": {str(r): round(v, 2) for r, v in d.rescue.items()},
-                }
+                {"layers": d.layers, "damage": {str(r): round(v, 2) for r, v in d.damage.items()}}
                 for d in damages
             ],
             "suite": {"tasks": args.tasks, "lengths": args.lengths, "samples": args.samples},

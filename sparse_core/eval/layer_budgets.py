@@ -1,15 +1,12 @@
 """Per-layer budget calibration: a budget for every layer that meets an effective compression R
 over all layers and loses the least on the model's probes.
 
-1. Sensitivity. For each band of `band_size` consecutive layers and each level r of `levels`
-   (a layer at r keeps length / r tokens), two runs of the probes, measured as divergence from
-   dense (the share of dense's answer text, from its start, that a run no longer reproduces;
-   points, 0-100): *alone*, the divergence with only that band at r and every other layer
-   whole; *rescue*, how much less divergence every layer at r shows when only that band is
-   kept whole. The band's cost at r is alone + rescue, made non-decreasing in r. Alone sees
-   what the band loses by itself, rescue what it loses among compressed layers (layers that
-   only fail together); the binary calibration (calibrate.py) uses the same two sides.
-2. Allocation. Every band stays whole or takes one level, minimising the summed cost under
+1. Sensitivity. For each band of `band_size` consecutive layers and each level r of `levels`,
+   the probes run with only that band compressed, keeping length / r tokens (every other layer
+   whole). The band's damage at r is the divergence from dense: the share of dense's answer
+   text, from its start, that the run no longer reproduces (points, 0-100), made
+   non-decreasing in r (keeping fewer tokens never helps).
+2. Allocation. Every band stays whole or takes one level, minimising the summed damage under
    the memory that compression R leaves (kept fractions summed over layers <= L / R): a
    multiple-choice knapsack, solved exactly by dynamic programming in units of 1 / lcm(levels).
    A tiny cost per halving of a band's budget breaks ties (bands where nothing was measured)
@@ -17,8 +14,8 @@ over all layers and loses the least on the model's probes.
 
 Why divergence rather than accuracy: with a dozen probes accuracy moves in steps of 8 points or
 more, and one band compressed alone rarely flips an answer; divergence moves by one character
-of the answer, so it ranks bands that accuracy ties. Why sums of per-band costs: measuring
-combinations of bands needs a run per combination; the sum is a first-order estimate, and the
+of the answer, so it ranks bands that accuracy ties. Why sums of single-band damage: measuring
+bands together needs a run per combination; the sum is the first-order estimate, and the
 comparison the calibration runs afterwards checks the allocation as a whole.
 """
 
@@ -31,71 +28,51 @@ from sparse_core.eval.calibrate import bands, span
 from sparse_core.eval.runner import EvalConfig, SampleResult
 from sparse_core.policy import ratios_compression
 
-TIE_BREAK = 1e-3  # cost points per halving of one layer's budget
+TIE_BREAK = 1e-3  # damage points per halving of one layer's budget
 
 
 @dataclass
 class BandDamage:
-    """Points of dense's answers (divergence, 0-100) a band costs at each level r (it keeps
-    length / r tokens), measured from both sides."""
-
     layers: list[int]
-    alone: dict[int, float]  # only this band compressed at r, every other layer whole
-    rescue: dict[int, float]  # regained keeping only this band whole, every other layer at r
-
-    @property
-    def cost(self) -> dict[int, float]:
-        """alone + rescue, non-decreasing in r (keeping fewer tokens never helps)."""
-        out, worst = {}, 0.0
-        for r in sorted(self.alone):
-            worst = max(worst, self.alone[r] + self.rescue.get(r, 0.0))
-            out[r] = worst
-        return out
+    damage: dict[int, float]  # level r -> points of dense's answers lost keeping length / r
 
 
 def probe_configs(num_layers: int, band_size: int, levels: list[int]) -> list[EvalConfig]:
-    """Dense; every layer at each level; and for every band and level, the band alone
-    compressed (the rest whole) and the band alone whole (the rest compressed)."""
+    """Dense, then every band alone at every level (the rest whole)."""
     configs = [EvalConfig("dense")]
-
-    def config(ratios: tuple[int | None, ...], label: str) -> EvalConfig:
-        return EvalConfig("snapkv", ratios_compression(ratios), layer_budgets=ratios, label=label)
-
-    for r in levels:
-        configs.append(config((r,) * num_layers, f"all at {r}x"))
-        for band in bands(num_layers, band_size):
-            inside = tuple(r if i in band else None for i in range(num_layers))
-            outside = tuple(None if i in band else r for i in range(num_layers))
-            configs.append(config(inside, _probe_label("compress", band, r)))
-            configs.append(config(outside, _probe_label("keep", band, r)))
+    for band in bands(num_layers, band_size):
+        for r in levels:
+            ratios = tuple(r if i in band else None for i in range(num_layers))
+            configs.append(
+                EvalConfig(
+                    "snapkv",
+                    ratios_compression(ratios),
+                    layer_budgets=ratios,
+                    label=_probe_label(band, r),
+                )
+            )
     return configs
 
 
 def measure(
     results: list[SampleResult], num_layers: int, band_size: int, levels: list[int]
 ) -> list[BandDamage]:
-    """Each band's cost at each level, from the results of `probe_configs`."""
+    """Each band's damage at each level, from the results of `probe_configs`."""
     dense = {(r.task, r.length, r.index): r.output for r in results if r.config == "dense"}
     by_config: dict[str, list[float]] = {}
     for r in results:
         if r.config != "dense":
             reference = dense[(r.task, r.length, r.index)]
             by_config.setdefault(r.config, []).append(divergence(reference, r.output))
-
-    def points(label: str) -> float:
-        return 100 * sum(by_config[label]) / len(by_config[label])
-
-    return [
-        BandDamage(
-            band,
-            alone={r: points(_probe_label("compress", band, r)) for r in levels},
-            rescue={
-                r: max(0.0, points(f"all at {r}x") - points(_probe_label("keep", band, r)))
-                for r in levels
-            },
-        )
-        for band in bands(num_layers, band_size)
-    ]
+    out = []
+    for band in bands(num_layers, band_size):
+        damage, worst = {}, 0.0
+        for r in sorted(levels):
+            values = by_config[_probe_label(band, r)]
+            worst = max(worst, 100 * sum(values) / len(values))
+            damage[r] = worst
+        out.append(BandDamage(band, damage))
+    return out
 
 
 def divergence(reference: str, output: str) -> float:
@@ -113,9 +90,9 @@ def divergence(reference: str, output: str) -> float:
 def allocate(
     damages: list[BandDamage], num_layers: int, target: float
 ) -> tuple[tuple[int | None, ...], float]:
-    """Per-layer levels (None: whole) meeting compression `target` with the least summed cost;
-    returns them and that cost."""
-    levels = sorted({r for b in damages for r in b.cost})
+    """Per-layer levels (None: whole) meeting compression `target` with the least summed damage;
+    returns them and that damage."""
+    levels = sorted({r for b in damages for r in b.damage})
     unit = math.lcm(*levels)
     capacity = math.floor(num_layers * unit / target + 1e-9)
     # best[c]: (damage, choices) of the bands so far, keeping c units of kept fractions
@@ -124,7 +101,8 @@ def allocate(
         size = len(band.layers)
         options: list[tuple[int | None, int, float]] = [(None, size * unit, 0.0)]
         options += [
-            (r, size * unit // r, d + TIE_BREAK * size * math.log2(r)) for r, d in band.cost.items()
+            (r, size * unit // r, d + TIE_BREAK * size * math.log2(r))
+            for r, d in band.damage.items()
         ]
         nxt: dict[int, tuple[float, list[int | None]]] = {}
         for used, (damage, choices) in best.items():
@@ -144,7 +122,7 @@ def allocate(
     for band, level in zip(damages, choices, strict=True):
         for i in band.layers:
             per_layer[i] = level
-    measured = sum(b.cost[lv] for b, lv in zip(damages, choices, strict=True) if lv is not None)
+    measured = sum(b.damage[lv] for b, lv in zip(damages, choices, strict=True) if lv is not None)
     return tuple(per_layer), measured
 
 
@@ -177,5 +155,5 @@ def comparison_configs(
     return configs
 
 
-def _probe_label(kind: str, band: list[int], level: int) -> str:
-    return f"{kind} {span(band)} at {level}x"
+def _probe_label(band: list[int], level: int) -> str:
+    return f"{span(band)} at {level}x"
