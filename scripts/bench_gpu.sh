@@ -12,6 +12,9 @@
 #   cap24-fp8kv    the same with FP8 weights and an FP8 KV cache (--kv-cache-dtype fp8), plus snapkv
 #                  with a third of the layers whole (--full-layers 11 of 32: the shape calibration
 #                  finds on SmolLM2)
+#   cap24-budgets  bench throughput, snapkv with the calibrated per-layer budgets (SmolLM2's
+#                  profile laid onto the 32 layers by depth) at $BUDGET_TARGETS (default 2 3 4)
+#                  effective compression, 24 GB cap: the accuracy sweep's operating points
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
@@ -76,6 +79,16 @@ step_cap24-fp8kv() {
     python3 -m service.cli bench throughput --policies snapkv --full-layers 11 $fp8 \
         --num-prompts "$NUM_PROMPTS" --json "$OUT/throughput_cap24_fp8kv_third.json" \
         2>"$OUT/throughput_cap24_fp8kv_third.log"
+}
+
+step_cap24-budgets() {
+    local r
+    for r in ${BUDGET_TARGETS:-2 3 4}; do
+        python3 -m service.cli bench throughput --policies snapkv --layer-budgets auto \
+            --target-compression "$r" --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
+            --json "$OUT/throughput_cap24_budgets${r}x.json" \
+            2>"$OUT/throughput_cap24_budgets${r}x.log"
+    done
 }
 
 step_uncapped() {

@@ -8,6 +8,13 @@
 #   profiles  layer profiles at equal effective compression (2x, 2.5x; keeping the calibrated
 #             10 of 30 layers whole caps it below 3x): uniform, first 3 full, calibrated, random
 #             on the calibrated layers; both settings
+#   budgets   calibrated per-layer budgets at 2x, 3x and 4x effective compression beside uniform
+#             SnapKV, the binary profile (where it reaches the ratio), PyramidKV, StreamingLLM and
+#             random selection on the same budgets; both settings
+#   calibrate-time  (not in the default steps) times `kvsparse calibrate --target-compression
+#             2,3,4` on dummy:llama3-8b at 4000-token prompts, every layer probed alone at 2, 4,
+#             8 and 16x; writes calibrate_time.log and its profiles under DIR/calibrate-dummy
+# EVAL_STEPS picks the steps (default: grid profiles budgets), e.g. EVAL_STEPS=calibrate-time.
 # All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
 # SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
 # eval.log into DIR and prints the summary tables.
@@ -20,7 +27,7 @@
 #   KVSPARSE_EVAL_DATA      the directory holding lee_background.cor
 #   PYTHONPATH              the bundle's site/ is prepended (the gguf package)
 # Smaller runs (e.g. a check on CPU) through EVAL_LENGTHS, EVAL_SAMPLES, EVAL_TASKS,
-# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
+# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_BUDGET_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
 # EVAL_MAX_NUM_SEQS, EVAL_MAX_NUM_BATCHED_TOKENS; PYTHON picks the interpreter (python3).
 set -euo pipefail
 OUT=${1:-${OUT:-}}
@@ -41,6 +48,8 @@ TASKS=${EVAL_TASKS:-passkey,niah_single_noise,niah_single_english,niah_multikey,
 POLICIES=${EVAL_POLICIES:-dense,snapkv,pyramid,streamingllm,random}
 RATIOS=${EVAL_RATIOS:-2,4,8,16}
 PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,2.5}
+BUDGET_RATIOS=${EVAL_BUDGET_RATIOS:-2,3,4}
+STEPS=${EVAL_STEPS:-grid profiles budgets}
 DEVICE=${EVAL_DEVICE:-cuda}
 DTYPE=${EVAL_DTYPE:-bfloat16}
 # One engine per (config, length) holds all of that length's prompts in both settings at once
@@ -113,12 +122,35 @@ run_eval() {
     log "$name done in $((SECONDS - start)) s"
 }
 
+# The calibration at the scale users run it: Llama-3-8B's shape (random weights: the time, not
+# the profile, is the point), 4000-token probes of the calibration's tasks, every layer alone.
+calibrate_time() {
+    local args=(--model dummy:llama3-8b --device "$DEVICE" --dtype "$DTYPE"
+        --tasks passkey,niah_single_english,niah_multikey --lengths 4000 --samples 2
+        --target-compression 2,3,4 --levels 2,4,8,16 --band-size 1 --max-num-seqs 16
+        --kv-cache-memory-gb 40 --profile-dir "$OUT/calibrate-dummy")
+    log "calibrate-time: kvsparse calibrate ${args[*]}"
+    local start=$SECONDS
+    "$PY" -m sparse_core.cli calibrate "${args[@]}" >"$OUT/calibrate_time.md" \
+        2> >(tee -a "$OUT/calibrate_time.log" >&2) || fail "calibrate-time failed; see $OUT/calibrate_time.log"
+    log "calibrate-time: kvsparse calibrate took $((SECONDS - start)) s"
+}
+
 start=$SECONDS
-run_eval grid --policies "$POLICIES" --ratios "$RATIOS" --full-layers 0
-run_eval profiles --profile-comparison --ratios "$PROFILE_RATIOS"
+summaries=()
+for step in $STEPS; do
+    case $step in
+    grid) run_eval grid --policies "$POLICIES" --ratios "$RATIOS" --full-layers 0 ;;
+    profiles) run_eval profiles --profile-comparison --ratios "$PROFILE_RATIOS" ;;
+    budgets) run_eval budgets --budget-comparison --ratios "$BUDGET_RATIOS" ;;
+    calibrate-time) calibrate_time ;;
+    *) fail "unknown step $step (grid, profiles, budgets, calibrate-time)" ;;
+    esac
+    [ "$step" = calibrate-time ] || summaries+=("$step")
+done
 
 # -- summary: the first table of each (the two settings side by side) -----------------------------
-for name in grid profiles; do
+for name in ${summaries[@]+"${summaries[@]}"}; do
     echo
     echo "== $name ($OUT/$name.md)"
     awk '/^$/ { exit } { print }' "$OUT/$name.md"

@@ -34,7 +34,7 @@ class VllmAsyncLLM:
         path = vllm_model_path(config.model)
         hf = json.loads((Path(path) / "config.json").read_text())
         self.num_layers = hf["num_hidden_layers"]
-        self.plan = plan_layers(sparsity, self.num_layers, name)
+        self.plan = plan_layers(sparsity, self.num_layers, name, config.expected_input_len)
         eos = hf.get("eos_token_id")
         self.tokenizer = Tokenizer.from_hf_dir(
             Path(path),
@@ -51,7 +51,7 @@ class VllmAsyncLLM:
             "enforce_eager": config.enforce_eager,
             "tensor_parallel_size": config.tensor_parallel_size,
             "seed": config.seed,
-            "additional_config": plugin_config(sparsity, name),
+            "additional_config": plugin_config(sparsity, name, config.expected_input_len),
         }
         if config.dtype is not None:
             args["dtype"] = config.dtype

@@ -98,6 +98,49 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     sparse.add_argument("--pooling", default="avg", choices=POOLINGS)
     sparse.add_argument("--kernel-size", type=int, default=7)
+    add_layer_budget_args(sparse)
+
+
+def add_layer_budget_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """A budget per layer instead of --budget and --full-layers."""
+    parser.add_argument(
+        "--layer-budgets",
+        default=None,
+        help="'auto' (the model's calibrated per-layer budgets for --target-compression) or one "
+        "budget per layer, comma-separated, 'none' for a whole layer; replaces --budget and "
+        "--full-layers",
+    )
+    parser.add_argument(
+        "--target-compression",
+        type=float,
+        default=None,
+        help="with --layer-budgets auto: the effective compression over all layers to pick the "
+        "profile for (e.g. 4)",
+    )
+
+
+def parse_layer_budgets(text: str | None) -> str | list[int | None] | None:
+    if text is None or text == "auto":
+        return text
+    try:
+        return [None if x.strip().lower() == "none" else int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"--layer-budgets must be 'auto' or comma-separated budgets ('none' for a whole "
+            f"layer), got {text!r}"
+        ) from None
+
+
+def layer_budget_options(args: argparse.Namespace) -> dict:
+    """SparsityConfig's layer_budgets, target_compression and full_layers from the flags: with
+    layer budgets, full_layers stays unset unless given (which SparsityConfig then refuses)."""
+    budgets = parse_layer_budgets(args.layer_budgets)
+    full = args.full_layers
+    return {
+        "layer_budgets": budgets,
+        "target_compression": args.target_compression,
+        "full_layers": parse_full_layers(full, args.model) if budgets is None or full else None,
+    }
 
 
 def add_step_size_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -182,9 +225,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityC
         budget=args.budget,
         window=args.window,
         sinks=args.sinks,
-        full_layers=parse_full_layers(args.full_layers, args.model),
         pooling=args.pooling,
         kernel_size=args.kernel_size,
+        **layer_budget_options(args),
     )
     return engine, sparsity
 

@@ -23,24 +23,34 @@ class SparsityConfig:
     window:       observation window: the last `window` prompt tokens score the rest and are kept
     sinks:        the first `sinks` tokens are always kept (attention sinks)
     full_layers:  layers kept whole: the first N (int), an explicit list of indices, or "auto"
-                  (the calibrated set stored for the model)
+                  (the calibrated set stored for the model); None: the first 3, or none with
+                  layer_budgets (whose None entries are the whole layers)
     pooling:      smoothing of scores over neighbouring tokens: avg | max | none
     kernel_size:  pooling width (odd)
     gqa_reduce:   how the query heads sharing a KV head combine their scores: mean | max
     pyramid_tiers: pyramid budgets are quantised into this many tiers (one KV pool per tier)
     seed:         seed of the `random` policy
+    layer_budgets: a budget for every layer instead of one `budget` for all sparse layers: a
+                  list with one entry per layer (tokens per KV head, None keeps the layer whole),
+                  or "auto": the model's calibrated profile nearest `target_compression`
+                  (sparse_core/profiles/layer_budgets/), sized for the engine's
+                  expected_input_len. Layers with equal budgets share one KV pool.
+    target_compression: the effective compression over all layers that layer_budgets="auto"
+                  asks for (prompt token-layers / kept token-layers at expected_input_len)
     """
 
     policy: str = "dense"
     budget: int = 512
     window: int = 32
     sinks: int = 4
-    full_layers: int | list[int] | str = 3
+    full_layers: int | list[int] | str | None = None
     pooling: str = "avg"
     kernel_size: int = 7
     gqa_reduce: str = "mean"
     pyramid_tiers: int = 4
     seed: int = 0
+    layer_budgets: str | list[int | None] | None = None
+    target_compression: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -64,23 +74,69 @@ class SparsityConfig:
                 f"budget ({self.budget}) must be greater than window ({self.window}) + sinks "
                 f"({self.sinks}): the budget holds the window, the sinks and the selected tokens"
             )
+        self._check_full_layers()
+        self._check_layer_budgets()
+
+    def _check_full_layers(self) -> None:
         fl = self.full_layers
-        if isinstance(fl, str):
-            if fl != "auto":
-                raise ValueError(
-                    f"full_layers must be an int, a list of ints or 'auto', got {fl!r}"
-                )
-        elif isinstance(fl, bool) or not isinstance(fl, int | list | tuple):
+        if fl is None or fl == "auto":
+            return
+        if isinstance(fl, bool) or not isinstance(fl, int | list | tuple):
             raise ValueError(f"full_layers must be an int, a list of ints or 'auto', got {fl!r}")
-        elif isinstance(fl, int):
+        if isinstance(fl, int):
             if fl < 0:
                 raise ValueError(f"full_layers must be >= 0, got {fl}")
+            return
+        self.full_layers = list(fl)
+        if len(set(self.full_layers)) != len(self.full_layers):
+            raise ValueError(f"full_layers has duplicate layer indices: {self.full_layers}")
+        if any(not isinstance(i, int) or i < 0 for i in self.full_layers):
+            raise ValueError(f"full_layers indices must be ints >= 0: {self.full_layers}")
+
+    def _check_layer_budgets(self) -> None:
+        spec, ratio = self.layer_budgets, self.target_compression
+        if ratio is not None:
+            if isinstance(ratio, bool) or not isinstance(ratio, int | float) or ratio < 1:
+                raise ValueError(
+                    f"target_compression must be a number >= 1 (kept tokens never exceed the "
+                    f"prompt), got {ratio!r}"
+                )
+            if spec != "auto":
+                raise ValueError(
+                    "target_compression is the compression layer_budgets='auto' asks for; "
+                    "set layer_budgets='auto' with it (an explicit list sets its own compression)"
+                )
+        if spec is None:
+            return
+        if isinstance(spec, str):
+            if spec != "auto":
+                raise ValueError(f"layer_budgets must be 'auto' or a list, got {spec!r}")
+            if ratio is None:
+                raise ValueError(
+                    "layer_budgets='auto' needs target_compression (e.g. 4.0): the profile is "
+                    "chosen for that effective compression"
+                )
+        elif isinstance(spec, list | tuple):
+            self.layer_budgets = spec = list(spec)
+            floor = self.window + self.sinks
+            bad = [b for b in spec if b is not None and (not _is_int(b) or b <= floor)]
+            if bad or not spec:
+                raise ValueError(
+                    f"layer_budgets entries must be None (whole layer) or ints greater than "
+                    f"window ({self.window}) + sinks ({self.sinks}); got {bad or 'an empty list'}"
+                )
         else:
-            self.full_layers = list(fl)
-            if len(set(self.full_layers)) != len(self.full_layers):
-                raise ValueError(f"full_layers has duplicate layer indices: {self.full_layers}")
-            if any(not isinstance(i, int) or i < 0 for i in self.full_layers):
-                raise ValueError(f"full_layers indices must be ints >= 0: {self.full_layers}")
+            raise ValueError(f"layer_budgets must be 'auto' or a list, got {spec!r}")
+        if self.policy == "pyramid":
+            raise ValueError(
+                "layer_budgets and policy 'pyramid' both set per-layer budgets; use snapkv (or "
+                "streamingllm, random) with layer_budgets"
+            )
+        if self.full_layers is not None:
+            raise ValueError(
+                "layer_budgets says which layers stay whole (its None entries); leave "
+                f"full_layers unset with it, got full_layers={self.full_layers!r}"
+            )
 
     @property
     def compresses(self) -> bool:
@@ -93,6 +149,10 @@ class SparsityConfig:
         if unknown:
             raise ValueError(f"unknown sparsity option(s) {unknown}; known: {sorted(known)}")
         return cls(**d)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 # Tokens per KV page when EngineConfig.block_size is None. On CUDA a page is one key tile of the

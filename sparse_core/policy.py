@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,11 @@ from sparse_core.kernels import KernelOps
 from sparse_core.kernels.reference import rows_by_head
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
+# Per-layer budget profiles: LAYER_BUDGET_DIR / <model> / <target compression>x.json.
+LAYER_BUDGET_DIR = PROFILE_DIR / "layer_budgets"
+DEFAULT_FULL_LAYERS = 3  # full_layers=None without layer_budgets: the first three layers whole
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,8 +66,104 @@ def load_profile(model_name: str) -> dict:
     return json.loads(path.read_text())
 
 
+@dataclass(frozen=True)
+class BudgetProfile:
+    """A model's calibrated per-layer budgets for one effective compression (written by
+    `kvsparse calibrate --target-compression`). Budgets are relative to the prompt, so one
+    profile serves every prompt length: layer i keeps prompt_len / layer_ratios[i] tokens, or
+    all of them where that is None."""
+
+    model: str
+    target_compression: float
+    layer_ratios: tuple[float | None, ...]
+    path: Path
+
+    @classmethod
+    def load(cls, path: Path) -> BudgetProfile:
+        data = json.loads(path.read_text())
+        return cls(
+            data["model"], float(data["target_compression"]), tuple(data["layer_ratios"]), path
+        )
+
+    def budgets(self, prompt_len: int, floor: int) -> list[int | None]:
+        return budgets_for_ratios(self.layer_ratios, prompt_len, floor)
+
+
+def budgets_for_ratios(
+    ratios: tuple[float | None, ...] | list[float | None], prompt_len: int, floor: int
+) -> list[int | None]:
+    """Token budgets of layers that keep prompt_len / ratio tokens (None: whole), none below
+    `floor` (what the window and sinks need). Layers of one ratio get one budget, so they share
+    a pool."""
+    return [None if r is None else max(floor, round(prompt_len / r)) for r in ratios]
+
+
+def ratios_compression(ratios: tuple[float | None, ...] | list[float | None]) -> float:
+    """Effective compression over all layers of per-layer ratios (None: whole)."""
+    return len(ratios) / sum(1.0 if r is None else 1.0 / r for r in ratios)
+
+
+def budget_profiles(model_name: str) -> list[BudgetProfile]:
+    """Every per-layer budget profile shipped for a model, by target compression."""
+    paths = sorted((LAYER_BUDGET_DIR / model_name).glob("*.json"))
+    return sorted((BudgetProfile.load(p) for p in paths), key=lambda p: p.target_compression)
+
+
+def nearest_budget_profile(model_name: str, target_compression: float) -> BudgetProfile:
+    profiles = budget_profiles(model_name)
+    if not profiles:
+        known = (
+            sorted(p.name for p in LAYER_BUDGET_DIR.iterdir()) if LAYER_BUDGET_DIR.is_dir() else []
+        )
+        raise ValueError(
+            f"layer_budgets='auto' needs per-layer budget profiles for model {model_name!r}, and "
+            f"there are none (profiles exist for: {known or 'no model'}); run `kvsparse "
+            f"calibrate --target-compression R` or give layer_budgets as a list"
+        )
+    best = min(profiles, key=lambda p: abs(p.target_compression - target_compression))
+    logger.info(
+        "layer_budgets='auto' at target_compression %g: %s's profile calibrated for %gx (%s)",
+        target_compression,
+        model_name,
+        best.target_compression,
+        best.path.name,
+    )
+    return best
+
+
+def layer_budgets(
+    sparsity: SparsityConfig, num_layers: int, model_name: str, prompt_len: int | None
+) -> list[int | None]:
+    """Budget of every layer (None: whole), from whichever of full_layers + budget (+ pyramid)
+    or layer_budgets the config uses."""
+    spec = sparsity.layer_budgets
+    floor = sparsity.window + sparsity.sinks + 1
+    if spec is None:
+        full = set(resolve_full_layers(sparsity, num_layers, model_name))
+        sparse = [i for i in range(num_layers) if i not in full]
+        by_layer: dict[int, int | None] = {i: None for i in full}
+        by_layer.update(zip(sparse, _sparse_budgets(sparsity, len(sparse)), strict=True))
+        return [by_layer[i] for i in range(num_layers)]
+    if spec == "auto":
+        if prompt_len is None:
+            raise ValueError(
+                "layer_budgets='auto' sizes budgets for the typical prompt; the engine passes "
+                "its expected_input_len, and this caller gave none"
+            )
+        assert sparsity.target_compression is not None  # SparsityConfig checks it
+        spec = nearest_budget_profile(model_name, sparsity.target_compression).budgets(
+            prompt_len, floor
+        )
+    if len(spec) != num_layers:
+        raise ValueError(
+            f"layer_budgets has {len(spec)} entries; the model has {num_layers} layers (one "
+            f"entry per layer, None for a whole layer)"
+        )
+    return list(spec)
+
+
 def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> list[int]:
-    spec = sparsity.full_layers
+    spec = DEFAULT_FULL_LAYERS if sparsity.full_layers is None else sparsity.full_layers
     if spec == "auto":
         spec = load_profile(model_name)["full_layers"]
     if isinstance(spec, int):
@@ -78,26 +180,26 @@ def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: s
     return sorted(spec)
 
 
-def plan_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> LayerPlan:
+def plan_layers(
+    sparsity: SparsityConfig, num_layers: int, model_name: str, prompt_len: int | None = None
+) -> LayerPlan:
+    """Layer groups of a model under a sparsity config; `prompt_len`: the typical prompt
+    (EngineConfig.expected_input_len), which layer_budgets="auto" sizes its budgets for."""
     if not sparsity.compresses:
         return LayerPlan((LayerGroup("full", tuple(range(num_layers)), None),), (0,) * num_layers)
-    full = set(resolve_full_layers(sparsity, num_layers, model_name))
-    sparse = [i for i in range(num_layers) if i not in full]
-    budgets = _sparse_budgets(sparsity, len(sparse))
-    layer_budget: dict[int, int | None] = {i: None for i in full}
-    layer_budget.update(zip(sparse, budgets, strict=True))
+    budgets = layer_budgets(sparsity, num_layers, model_name, prompt_len)
     # One group per distinct budget, full layers first, then budgets from large to small.
-    distinct = sorted({b for b in layer_budget.values() if b is not None}, reverse=True)
-    keys: list[int | None] = ([None] if full else []) + distinct
+    distinct = sorted({b for b in budgets if b is not None}, reverse=True)
+    keys: list[int | None] = ([None] if None in budgets else []) + distinct
     groups = tuple(
         LayerGroup(
             name="full" if b is None else f"budget{b}",
-            layers=tuple(i for i in range(num_layers) if layer_budget[i] == b),
+            layers=tuple(i for i in range(num_layers) if budgets[i] == b),
             budget=b,
         )
         for b in keys
     )
-    layer_to_group = tuple(keys.index(layer_budget[i]) for i in range(num_layers))
+    layer_to_group = tuple(keys.index(b) for b in budgets)
     return LayerPlan(groups, layer_to_group)
 
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparse_core.bench.workload import random_prompt, sparsity_for
+from sparse_core.bench.workload import calibrated_shape, random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SparsityConfig
 from sparse_core.engine.gpu_memory import (
@@ -251,6 +251,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--full-layers", type=int, default=3)
+    parser.add_argument(
+        "--layer-budgets",
+        choices=["auto"],
+        default=None,
+        help="the compressing policies with calibrated per-layer budgets for "
+        "--target-compression instead of --budget and --full-layers",
+    )
+    parser.add_argument("--target-compression", type=float, default=None)
+    parser.add_argument(
+        "--profile-model",
+        default="smollm2-135m-instruct",
+        help="with --layer-budgets: whose calibrated profile gives the budgets' shape, laid onto "
+        "--model's layers by relative depth",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4608)
     add_step_size_args(parser)
@@ -264,6 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.layer_budgets and args.target_compression is None:
+        raise ValueError("--layer-budgets auto needs --target-compression (e.g. 4)")
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         use_one_host_thread()  # as the server's engine process does
@@ -294,10 +310,25 @@ def main(args: argparse.Namespace) -> int:
         weights = f" w-{args.quantization}" if args.quantization else ""
         kv = f" kv-{args.kv_cache_dtype}" if config.fp8_kv_cache else ""
         full = f" {args.full_layers} full" if policy != "dense" else ""
+        sparsity = sparsity_for(policy, args.budget, args.window, args.full_layers)
+        if args.layer_budgets and sparsity.compresses:
+            sparsity = SparsityConfig(
+                policy=policy,
+                window=args.window,
+                layer_budgets=calibrated_shape(
+                    args.profile_model,
+                    args.target_compression,
+                    args.model,
+                    args.input_len,
+                    args.window,
+                ),
+            )
+            policy = f"{policy} budgets@{args.target_compression:g}x"
+            full = ""
         result = run_one(
             f"{policy}{full}{weights}{kv} {cap}",
             config,
-            sparsity_for(policy, args.budget, args.window, args.full_layers),
+            sparsity,
             args.num_prompts,
             args.input_len,
             args.output_len,

@@ -8,6 +8,9 @@ import random
 from sparse_core.config import SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.models.loader import load_model_source
+from sparse_core.policy import budgets_for_ratios, nearest_budget_profile
 
 # Until aborted or max_model_len: no stop token ends them early.
 KEEP_DECODING = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)
@@ -20,6 +23,25 @@ def sparsity_for(
     if policy == "dense":
         return SparsityConfig(policy="dense")
     return SparsityConfig(policy=policy, budget=budget, window=window, full_layers=full_layers)
+
+
+def calibrated_shape(
+    profile_model: str,
+    target_compression: float,
+    model: str,
+    input_len: int,
+    window: int = 32,
+    sinks: int = 4,
+) -> list[int | None]:
+    """Per-layer budgets of `profile_model`'s calibrated profile for `target_compression`, laid
+    onto `model`'s layers by relative depth and sized for `input_len`-token prompts: the memory
+    and speed of that accuracy operating point on a model of another depth (a benchmark's
+    random-weight model has no profile of its own)."""
+    ratios = nearest_budget_profile(profile_model, target_compression).layer_ratios
+    preset = DUMMY_PRESETS.get(model.removeprefix("dummy:")) if model.startswith("dummy:") else None
+    num_layers = (preset or load_model_source(model).config).num_hidden_layers
+    resampled = [ratios[i * len(ratios) // num_layers] for i in range(num_layers)]
+    return budgets_for_ratios(resampled, input_len, window + sinks + 1)
 
 
 def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:

@@ -70,7 +70,9 @@ def worker_main(
         if weights is None and not config.model.startswith("dummy:"):
             weights = load_model_source(config.model, config.hf_overrides).weights
         source = ModelSource(model_config, weights, tokenizer=None, path=config.model)
-        plan = plan_layers(sparsity, model_config.num_hidden_layers, model_config.name)
+        plan = plan_layers(
+            sparsity, model_config.num_hidden_layers, model_config.name, config.expected_input_len
+        )
         worker = Worker(ModelRunner(config, sparsity, source, plan))
         del source, weights  # the full weights; the runner keeps its shard
         _reply(pipe, "ready", None)

@@ -105,7 +105,12 @@ class LLMEngine:
         source = model_source or load_model_source(config.model, config.hf_overrides)
         self.model_config = source.config
         self.tokenizer = source.tokenizer
-        self.plan = plan_layers(sparsity, source.config.num_hidden_layers, source.config.name)
+        self.plan = plan_layers(
+            sparsity,
+            source.config.num_hidden_layers,
+            source.config.name,
+            config.expected_input_len,
+        )
         self.workers: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:
             check_tp_divisibility(source.config, config.tensor_parallel_size)

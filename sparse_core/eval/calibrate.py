@@ -36,8 +36,8 @@ def band_configs(num_layers: int, band_size: int, ratio: float) -> list[EvalConf
     configs = [EvalConfig("dense"), EvalConfig("snapkv", ratio, 0, label="all-compressed")]
     for band in bands(num_layers, band_size):
         rest = [i for i in range(num_layers) if i not in band]
-        configs.append(EvalConfig("snapkv", ratio, rest, label=f"compress {_span(band)}"))
-        configs.append(EvalConfig("snapkv", ratio, band, label=f"keep {_span(band)}"))
+        configs.append(EvalConfig("snapkv", ratio, rest, label=f"compress {span(band)}"))
+        configs.append(EvalConfig("snapkv", ratio, band, label=f"keep {span(band)}"))
     return configs
 
 
@@ -56,8 +56,8 @@ def measure(
     out = [
         BandSensitivity(
             layers=band,
-            damage=dense - acc[f"compress {_span(band)}"],
-            rescue=acc[f"keep {_span(band)}"] - floor,
+            damage=dense - acc[f"compress {span(band)}"],
+            rescue=acc[f"keep {span(band)}"] - floor,
         )
         for band in bands(num_layers, band_size)
     ]
@@ -93,13 +93,13 @@ def _accuracy(results: list[SampleResult]) -> dict[str, float]:
     return {k: 100 * sum(v) / len(v) for k, v in totals.items()}
 
 
-def _span(layers: list[int]) -> str:
+def span(layers: list[int]) -> str:
     return f"L{layers[0]}" if len(layers) == 1 else f"L{layers[0]}-{layers[-1]}"
 
 
 def plot_sensitivity(sensitivities: list[BandSensitivity], path: str, title: str) -> None:
     plt = pyplot()
-    names = [_span(b.layers) for b in sensitivities]
+    names = [span(b.layers) for b in sensitivities]
     x = range(len(names))
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.bar([i - 0.2 for i in x], [b.damage for b in sensitivities], 0.4, label="damage")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from sparse_core.config import POLICIES
 from sparse_core.eval import calibrate as cal
+from sparse_core.eval import layer_budgets as lb
 from sparse_core.eval.report import markdown_table, plot, settings_table, summarize
 from sparse_core.eval.runner import (
     QUERY_AWARE,
@@ -22,6 +23,7 @@ from sparse_core.eval.runner import (
     run_suite,
 )
 from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
+from sparse_core.policy import LAYER_BUDGET_DIR, PROFILE_DIR, load_profile, ratios_compression
 
 
 def _ints(text: str) -> list[int]:
@@ -77,13 +79,31 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
         "compression, at each of --ratios",
     )
     ev.add_argument(
+        "--layer-budgets",
+        choices=["auto"],
+        default=None,
+        help="every compressing policy at every ratio with the model's calibrated per-layer "
+        "budgets for that compression (instead of --full-layers)",
+    )
+    ev.add_argument(
+        "--budget-comparison",
+        action="store_true",
+        help="instead of the policy grid: calibrated per-layer budgets beside uniform SnapKV, "
+        "the binary profile (where it reaches the ratio), PyramidKV, StreamingLLM and random "
+        "selection on the same budgets, at each of --ratios (effective compressions)",
+    )
+    ev.add_argument(
         "--results",
         default=None,
         help="run nothing: write the tables and plot of a JSON file made by --json",
     )
     ev.set_defaults(func=cmd_eval)
 
-    ca = sub.add_parser("calibrate", help="find the layers to keep whole; write a profile")
+    ca = sub.add_parser(
+        "calibrate",
+        help="find the layers to keep whole, or with --target-compression a budget for every "
+        "layer; write a profile",
+    )
     _common_args(ca, samples=6, seed=1)  # seed 1: calibrate on other samples than eval's
     ca.add_argument("--ratio", type=float, default=8.0, help="compression of the probed layers")
     ca.add_argument("--band-size", type=int, default=3)
@@ -91,6 +111,23 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--compare-ratios", default="2", help="effective compressions to compare at")
     ca.add_argument("--compare-seed", type=int, default=0, help="samples of the comparison")
     ca.add_argument("--profile", default=None, help="profile path (default: the shipped one)")
+    ca.add_argument(
+        "--target-compression",
+        default=None,
+        help="effective compressions over all layers (comma-separated): calibrate a budget for "
+        "every layer for each, from one sensitivity measurement, and write one profile each",
+    )
+    ca.add_argument(
+        "--levels",
+        default="2,4,8,16",
+        help="with --target-compression: the budget tiers, as ratios (a layer keeps length / r "
+        "tokens); each is one KV pool",
+    )
+    ca.add_argument(
+        "--profile-dir",
+        default=None,
+        help="with --target-compression: where the profiles go (default: the shipped ones)",
+    )
     ca.set_defaults(func=cmd_calibrate)
 
 
@@ -135,11 +172,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from sparse_core.cli import parse_full_layers  # sparse_core.cli imports this module
 
     if args.profile_comparison:
-        from sparse_core.policy import load_profile
-
         full_layers = load_profile(source.config.name)["full_layers"]
         configs = cal.comparison_configs(full_layers, _floats(args.ratios))
         title = f"{args.model}: layer profiles at equal compression"
+    elif args.budget_comparison:
+        full_layers = load_profile(source.config.name)["full_layers"]
+        num_layers = source.config.num_hidden_layers
+        configs = lb.comparison_configs(_floats(args.ratios), full_layers, num_layers)
+        title = f"{args.model}: per-layer budgets at equal effective compression"
+    elif args.layer_budgets:
+        configs = [
+            EvalConfig("dense")
+            if policy == "dense"
+            else EvalConfig(policy, r, layer_budgets="auto", label=f"{policy}-budgets@{r:g}x")
+            for policy in args.policies.split(",")
+            for r in ([None] if policy == "dense" else _floats(args.ratios))
+        ]
+        title = f"{args.model}: calibrated per-layer budgets"
     else:
         full = parse_full_layers(args.full_layers, args.model)
         configs = [
@@ -156,8 +205,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from sparse_core.policy import PROFILE_DIR
-
+    if args.target_compression:
+        return cmd_calibrate_budgets(args)
     samples, source = _samples(args)
     num_layers, name = source.config.num_hidden_layers, source.config.name
     settings = _settings(args)
@@ -202,6 +251,85 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             json.dumps(as_dicts(probe_results)) + "\n"
         )
     return 0
+
+
+def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
+    """Per-layer budgets for each --target-compression from one sensitivity measurement
+    (sparse_core/eval/layer_budgets.py says how), then the comparison on other samples."""
+    targets, levels = _floats(args.target_compression), _ints(args.levels)
+    samples, source = _samples(args)
+    num_layers, name = source.config.num_hidden_layers, source.config.name
+    floor = args.window + args.sinks
+    short = min(len(s.prompt_ids) for s in samples)
+    too_small = [r for r in levels if round(short / r) <= floor]
+    if too_small:
+        raise ValueError(
+            f"levels {too_small} leave at most window ({args.window}) + sinks ({args.sinks}) "
+            f"tokens of the {short}-token probes; probe longer prompts (--lengths) or drop them"
+        )
+    settings = _settings(args)
+    probes = lb.probe_configs(num_layers, args.band_size, levels)
+    _note(
+        f"calibrate {name}: {len(probes)} probe configs ({num_layers} layers in bands of "
+        f"{args.band_size}, levels {levels}) x {len(samples)} prompts, seed {args.seed}"
+    )
+    probe_results = run_suite(probes, samples, settings, source=source)
+    damages = lb.measure(probe_results, num_layers, args.band_size, levels)
+    for d in damages:
+        _note(
+            f"layers {cal.span(d.layers)}: damage "
+            + "  ".join(f"{r}x {v:.1f}" for r, v in d.damage.items())
+        )
+    out_dir = Path(args.profile_dir) if args.profile_dir else LAYER_BUDGET_DIR / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chosen = {}
+    for target in targets:
+        ratios, damage = lb.allocate(damages, num_layers, target)
+        chosen[target] = ratios
+        profile = {
+            "model": name,
+            "target_compression": target,
+            "effective_compression": round(ratios_compression(ratios), 3),
+            "layer_ratios": list(ratios),
+            "levels": levels,
+            "method": (
+                f"snapkv; per band of {args.band_size} layers, divergence from dense with only "
+                f"the band compressed at each level; levels chosen by exact knapsack minimising "
+                f"summed divergence under {target:g}x"
+            ),
+            "predicted_damage": round(damage, 2),
+            "sensitivity": [
+                {"layers": d.layers, "damage": {str(r): round(v, 2) for r, v in d.damage.items()}}
+                for d in damages
+            ],
+            "suite": {"tasks": args.tasks, "lengths": args.lengths, "samples": args.samples},
+            "seed": args.seed,
+            "date": date.today().isoformat(),
+            "command": "kvsparse " + shlex.join(sys.argv[1:]),
+        }
+        path = out_dir / f"{target:g}x.json"
+        path.write_text(json.dumps(profile, indent=2) + "\n")
+        _note(f"{target:g}x: layer ratios {list(ratios)} -> {path}")
+    args.seed = args.compare_seed
+    compare_samples, _ = _samples(args)
+    wanted = ("dense", "budgets@", "uniform@", "random-budgets@")
+    configs = [
+        c
+        for c in lb.comparison_configs(targets, [], num_layers, chosen)
+        if c.name.startswith(wanted)
+    ]
+    _note(f"comparison on {len(compare_samples)} prompts of seed {args.compare_seed}")
+    compare = run_suite(configs, compare_samples, settings, source=source)
+    _write(args, compare, f"{name}: per-layer budgets at equal compression", plot_it=False)
+    if args.json:
+        Path(args.json).with_suffix(".probe.json").write_text(
+            json.dumps(as_dicts(probe_results)) + "\n"
+        )
+    return 0
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def _write(args: argparse.Namespace, results: list, title: str, plot_it: bool = True) -> None:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.eval.tasks import Sample, score
 from sparse_core.models.loader import ModelSource, load_model_source
+from sparse_core.policy import budgets_for_ratios, resolve_full_layers
 
 QUERY_AWARE, QUERY_AGNOSTIC = "query-aware", "query-agnostic"
 QUERY_SETTINGS = (QUERY_AWARE, QUERY_AGNOSTIC)
@@ -28,6 +29,9 @@ class EvalConfig:
     full_layers: layers kept whole; with `match_effective`, the budget of the other layers is
     chosen so that the compression over ALL layers equals `ratio` (for comparing layer profiles
     at equal memory), otherwise budget = length / ratio.
+    layer_budgets: instead of full_layers and one budget, a budget per layer: "auto" (the
+    model's shipped profile nearest `ratio`, sized for the prompt length), or per-layer ratios
+    (layer i keeps length / ratio tokens; None keeps it whole).
     """
 
     policy: str
@@ -35,6 +39,7 @@ class EvalConfig:
     full_layers: int | list[int] | str = 0
     match_effective: bool = False
     label: str = ""
+    layer_budgets: str | tuple[float | None, ...] | None = None
 
     @property
     def name(self) -> str:
@@ -51,9 +56,26 @@ class EvalConfig:
         sparse = num_layers - num_full
         return max(1, round(length * (num_layers / self.ratio - num_full) / sparse))
 
-    def sparsity(self, budget: int | None, window: int, sinks: int) -> SparsityConfig:
-        if budget is None:
+    def sparsity(
+        self, length: int, num_layers: int, model_name: str, window: int, sinks: int
+    ) -> SparsityConfig:
+        """The engine's sparsity for prompts of `length` tokens."""
+        if self.ratio is None:
             return SparsityConfig(policy="dense")
+        if self.layer_budgets is not None:
+            per_layer: str | list[int | None] = (
+                "auto"
+                if self.layer_budgets == "auto"
+                else budgets_for_ratios(self.layer_budgets, length, window + sinks + 1)
+            )
+            return SparsityConfig(
+                policy=self.policy,
+                window=window,
+                sinks=sinks,
+                layer_budgets=per_layer,
+                target_compression=self.ratio if per_layer == "auto" else None,
+            )
+        budget = self.budget(length, num_layers, num_full_layers(self, num_layers, model_name))
         full = list(self.full_layers) if isinstance(self.full_layers, tuple) else self.full_layers
         return SparsityConfig(
             policy=self.policy, budget=budget, window=window, sinks=sinks, full_layers=full
@@ -95,8 +117,6 @@ class RunSettings:
 
 
 def num_full_layers(config: EvalConfig, num_layers: int, model_name: str) -> int:
-    from sparse_core.policy import resolve_full_layers
-
     if config.ratio is None:
         return num_layers
     probe = SparsityConfig(policy=config.policy, budget=10**6, full_layers=config.full_layers)
@@ -153,15 +173,15 @@ def run_config(
 
 def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: ModelSource) -> LLM:
     num_layers, name = source.config.num_hidden_layers, source.config.name
-    budget = config.budget(length, num_layers, num_full_layers(config, num_layers, name))
-    sparsity = config.sparsity(budget, settings.window, settings.sinks)
+    sparsity = config.sparsity(length, num_layers, name, settings.window, settings.sinks)
     return LLM(
         model=settings.model,
         sparsity=sparsity,
         # Loaded once for the whole sweep: dequantising costs more than building an engine.
         model_source=source,
         max_model_len=min(length + 64, source.config.max_position_embeddings),
-        # Split KV memory between layer groups for these prompts (answers are short).
+        # Split KV memory between layer groups for these prompts (answers are short), and size
+        # layer_budgets="auto" for them.
         expected_input_len=length,
         expected_output_len=64,
         max_num_seqs=settings.max_num_seqs,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sparse_core.eval.runner import EvalConfig, RunSettings, SampleResult, num_full_layers
+from sparse_core.eval.runner import EvalConfig, RunSettings, SampleResult
 from sparse_core.eval.tasks import Sample, score
 from sparse_core.models.loader import load_model_source
 from sparse_core.policy import plan_layers
@@ -27,12 +27,12 @@ def run_suite_vllm(
         by_length.setdefault(s.length, []).append(s)
     for config in configs:
         for length, group in sorted(by_length.items()):
-            full = num_full_layers(config, model.num_hidden_layers, model.name)
-            budget = config.budget(length, model.num_hidden_layers, full)
-            sparsity = config.sparsity(budget, settings.window, settings.sinks)
-            plan = plan_layers(sparsity, model.num_hidden_layers, model.name)
+            sparsity = config.sparsity(
+                length, model.num_hidden_layers, model.name, settings.window, settings.sinks
+            )
+            plan = plan_layers(sparsity, model.num_hidden_layers, model.name, length)
             args = {"max_model_len": length + 64, **(engine_args or {})}
-            with vllm_llm(settings.model, sparsity, **args) as llm:
+            with vllm_llm(settings.model, sparsity, length, **args) as llm:
                 prompts = [TokensPrompt(prompt_token_ids=s.prompt_ids) for s in group]
                 params = [SamplingParams(max_tokens=s.max_tokens, temperature=0.0) for s in group]
                 outs = llm.generate(prompts, params, use_tqdm=False)

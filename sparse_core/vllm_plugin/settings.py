@@ -1,8 +1,10 @@
 """The plugin's settings: vLLM's `additional_config["kvsparse"]`, else `KVSPARSE_VLLM_CONFIG`.
 
 Both hold the same dictionary: the fields of `SparsityConfig` plus `model_name` (the name of the
-calibrated profile that `full_layers="auto"` loads; default: the model directory's name). With
-neither set, the plugin stays out of the way and vLLM runs exactly as without it.
+calibrated profile that `full_layers="auto"` and `layer_budgets="auto"` load; default: the model
+directory's name) and `expected_input_len` (the typical prompt, which `layer_budgets="auto"`
+sizes its budgets for; default: EngineConfig's). With neither set, the plugin stays out of the
+way and vLLM runs exactly as without it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sparse_core.config import SparsityConfig
+from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.policy import LayerPlan, plan_layers
 
 CONFIG_KEY = "kvsparse"
@@ -24,9 +26,11 @@ ENV_VAR = "KVSPARSE_VLLM_CONFIG"
 class PluginSettings:
     sparsity: SparsityConfig
     model_name: str | None = None
+    expected_input_len: int = EngineConfig.expected_input_len
 
     def layer_plan(self, num_layers: int, model_path: str) -> LayerPlan:
-        return plan_layers(self.sparsity, num_layers, self.model_name or Path(model_path).name)
+        name = self.model_name or Path(model_path).name
+        return plan_layers(self.sparsity, num_layers, name, self.expected_input_len)
 
 
 def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
@@ -42,7 +46,8 @@ def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
         raise ValueError(f"kvsparse settings must be a dictionary, got {type(raw).__name__}")
     options = dict(raw)
     model_name = options.pop("model_name", None)
-    return PluginSettings(SparsityConfig.from_dict(options), model_name)
+    input_len = options.pop("expected_input_len", EngineConfig.expected_input_len)
+    return PluginSettings(SparsityConfig.from_dict(options), model_name, input_len)
 
 
 def settings_from_vllm_config(vllm_config: Any) -> PluginSettings | None:

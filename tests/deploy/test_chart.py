@@ -57,6 +57,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "rayAuth": {"mode": "disabled"},
     },
     "vllm-engine": {"engineKind": "vllm"},
+    "layer-budgets": {"sparsity": {"layer_budgets": "auto", "target_compression": 4}},
 }
 
 

@@ -1,0 +1,106 @@
+"""Per-layer budget calibration: the allocation, the sensitivity measure, and the calibrate
+command run end to end on a small model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparse_core.eval import layer_budgets as lb
+from sparse_core.eval.runner import SampleResult
+from sparse_core.policy import BudgetProfile, ratios_compression
+
+
+def _bands(*damage: dict[int, float], size: int = 2) -> list[lb.BandDamage]:
+    return [lb.BandDamage(list(range(i * size, (i + 1) * size)), d) for i, d in enumerate(damage)]
+
+
+def test_allocation_spends_the_memory_on_the_sensitive_band():
+    damages = _bands(
+        {2: 0.0, 4: 0.0, 8: 1.0},
+        {2: 30.0, 4: 60.0, 8: 90.0},  # layers 2-3: compressing them costs most
+        {2: 0.0, 4: 5.0, 8: 10.0},
+    )
+    ratios, damage = lb.allocate(damages, 6, target=2.0)
+    assert ratios[2:4] == (None, None)
+    assert ratios_compression(ratios) >= 2.0
+    chosen = zip(damages, ratios[::2], strict=True)
+    assert damage == pytest.approx(sum(d.damage[r] for d, r in chosen if r))
+
+
+@pytest.mark.parametrize("target", [1.5, 2.0, 3.0, 4.0, 6.0])
+def test_allocation_meets_every_reachable_target(target):
+    damages = _bands(*[{2: 1.0 * i, 4: 2.0 * i, 8: 4.0 * i} for i in range(5)], size=3)
+    ratios, _ = lb.allocate(damages, 15, target)
+    assert target <= ratios_compression(ratios) <= target * 1.25
+
+
+def test_allocation_without_signal_spreads_compression_evenly():
+    damages = _bands(*[{2: 0.0, 4: 0.0, 8: 0.0}] * 4, size=1)
+    assert lb.allocate(damages, 4, target=4.0)[0] == (4, 4, 4, 4)
+
+
+def test_unreachable_target_is_refused():
+    with pytest.raises(ValueError, match="beyond levels"):
+        lb.allocate(_bands({2: 0.0, 4: 0.0}), 2, target=5.0)
+
+
+def test_divergence_counts_the_lost_part_of_the_answer():
+    assert lb.divergence(" 52890.", " 52890.") == 0.0
+    assert lb.divergence(" 52890.", " 528.") == pytest.approx(3 / 7)
+    assert lb.divergence(" 52890.", "") == 1.0
+
+
+def test_damage_is_measured_against_dense_and_never_falls_with_compression():
+    def result(config: str, output: str) -> SampleResult:
+        return SampleResult(config, "t", 500, 0, None, 500, 0.0, 1.0, output)
+
+    results = [result("dense", "abcd")]
+    results += [result(f"L0-1 at {r}x", out) for r, out in ((2, "abcd"), (4, "ab"), (8, "abc"))]
+    results += [result(f"L2 at {r}x", "abcd") for r in (2, 4, 8)]
+    (first, second) = lb.measure(results, 3, 2, [2, 4, 8])
+    assert first.damage == {2: 0.0, 4: 50.0, 8: 50.0}
+    assert second.damage == {2: 0.0, 4: 0.0, 8: 0.0}
+
+
+def test_calibrate_writes_one_loadable_profile_per_target(tmp_path):
+    """The real command on dummy:tiny (4 layers, random weights): one probe run, two profiles."""
+    from sparse_core.cli import main
+
+    args = [
+        "calibrate",
+        "--model",
+        "dummy:tiny",
+        "--target-compression",
+        "2,3",
+        "--levels",
+        "2,4",
+        "--band-size",
+        "2",
+        "--tasks",
+        "passkey",
+        "--lengths",
+        "400",
+        "--samples",
+        "1",
+        "--window",
+        "16",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-gb",
+        "0.01",
+        "--profile-dir",
+        str(tmp_path),
+    ]
+    assert main(args) == 0
+    for target in (2.0, 3.0):
+        profile = BudgetProfile.load(tmp_path / f"{target:g}x.json")
+        assert profile.target_compression == target
+        assert len(profile.layer_ratios) == 4
+        assert ratios_compression(profile.layer_ratios) >= target
+        data = json.loads(profile.path.read_text())
+        assert len(data["sensitivity"]) == 2
+        assert data["seed"] == 1  # probes are not the evaluation's samples
+    with pytest.raises(SystemExit):  # 400 / 32 tokens cannot hold window and sinks
+        main([*args[:-2], "--levels", "32", "--profile-dir", str(tmp_path)])

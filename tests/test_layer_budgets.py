@@ -1,0 +1,116 @@
+"""Per-layer budgets (SparsityConfig.layer_budgets): validation, pools, the engine, the shipped
+profiles and the command-line flags."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from sparse_core import LLM, SamplingParams, SparsityConfig
+from sparse_core.cli import build_parser, configs_from_args
+from sparse_core.policy import budget_profiles, plan_layers, ratios_compression
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"layer_budgets": "auto"}, "needs target_compression"),
+        ({"target_compression": 4.0}, "set layer_budgets='auto' with it"),
+        ({"layer_budgets": [None, 64], "target_compression": 2.0}, "set layer_budgets='auto'"),
+        ({"layer_budgets": "auto", "target_compression": 0.5}, "must be a number >= 1"),
+        ({"layer_budgets": "some"}, "must be 'auto' or a list"),
+        ({"layer_budgets": [None, 36]}, r"greater than window \(32\) \+ sinks \(4\)"),
+        ({"layer_budgets": [None, 64.5]}, "ints greater than"),
+        ({"layer_budgets": []}, "an empty list"),
+        ({"layer_budgets": [None, 64], "policy": "pyramid"}, "'pyramid' both set"),
+        ({"layer_budgets": [None, 64], "full_layers": 3}, "leave full_layers unset"),
+    ],
+)
+def test_bad_layer_budgets(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SparsityConfig(**{"policy": "snapkv", **kwargs})
+
+
+def test_equal_budgets_share_a_pool():
+    sparsity = SparsityConfig(policy="snapkv", layer_budgets=[None, 256, 64, 256, None, 64])
+    plan = plan_layers(sparsity, 6, "any")
+    assert [(g.name, g.layers) for g in plan.groups] == [
+        ("full", (0, 4)),
+        ("budget256", (1, 3)),
+        ("budget64", (2, 5)),
+    ]
+    assert plan.layer_to_group == (0, 1, 2, 1, 0, 2)
+    with pytest.raises(ValueError, match="layer_budgets has 6 entries; the model has 5 layers"):
+        plan_layers(sparsity, 5, "any")
+
+
+def test_engine_keeps_each_layers_budget():
+    """Three pools on the real engine: each keeps its budget of a 300-token prompt, memory is
+    split by what a typical request needs in each (300 in, 20 out: 320, 2 x 84 and 52 tokens
+    per layer), and a request that one pool cannot hold is refused naming it."""
+    sparsity = SparsityConfig(policy="snapkv", window=8, sinks=2, layer_budgets=[None, 64, 64, 32])
+    llm = LLM(
+        "dummy:tiny",
+        sparsity=sparsity,
+        max_model_len=1024,
+        kv_cache_memory_gb=0.0003,
+        expected_input_len=300,
+        expected_output_len=20,
+    )
+    (out,) = llm.generate([list(range(1, 301))], SamplingParams(max_tokens=4, temperature=0.0))
+    assert out.kv_tokens_per_group == {"full": 300, "budget64": 64, "budget32": 32}
+    assert out.compression_ratio == pytest.approx(4 * 300 / (300 + 64 + 64 + 32))
+    blocks = {name: pool["total"] for name, pool in llm.engine.stats().kv_blocks.items()}
+    assert list(blocks) == ["full", "budget64", "budget32"]
+    assert blocks["full"] / blocks["budget32"] == pytest.approx(320 / 52, rel=0.15)
+    assert blocks["budget64"] / blocks["budget32"] == pytest.approx(84 / 52, rel=0.15)
+    # 32 kept + 100 generated tokens need 9 blocks of 16 in budget32's pool of 7 (64 + 100 fit
+    # budget64's 12).
+    with pytest.raises(ValueError, match="KV blocks in layer group 'budget32'"):
+        llm.generate([list(range(1, 301))], SamplingParams(max_tokens=100))
+
+
+def test_auto_picks_the_nearest_shipped_profile(caplog):
+    with caplog.at_level(logging.INFO, logger="sparse_core.policy"):
+        sparsity = SparsityConfig(policy="snapkv", layer_budgets="auto", target_compression=3.8)
+        plan = plan_layers(sparsity, 30, SMOLLM2, prompt_len=4000)
+    assert "calibrated for 4x (4x.json)" in caplog.text
+    kept = sum(len(g.layers) * g.kept_tokens(4000) for g in plan.groups)
+    assert 30 * 4000 / kept == pytest.approx(4.0, rel=0.05)
+    assert len(plan.groups) <= 4  # whole + the calibration's three tiers
+    with pytest.raises(ValueError, match="expected_input_len"):
+        plan_layers(sparsity, 30, SMOLLM2)
+
+
+def test_auto_without_profiles_says_so():
+    sparsity = SparsityConfig(policy="snapkv", layer_budgets="auto", target_compression=4.0)
+    with pytest.raises(ValueError, match="per-layer budget profiles for model 'dummy:tiny'"):
+        LLM("dummy:tiny", sparsity=sparsity, kv_cache_memory_gb=0.001)
+
+
+def test_shipped_profiles_meet_their_compression():
+    profiles = budget_profiles(SMOLLM2)
+    assert [p.target_compression for p in profiles] == [2.0, 3.0, 4.0]
+    for p in profiles:
+        assert len(p.layer_ratios) == 30
+        assert ratios_compression(p.layer_ratios) >= p.target_compression * 0.999
+        assert ratios_compression(p.layer_ratios) <= p.target_compression * 1.1
+
+
+def _sparsity(*flags: str) -> SparsityConfig:
+    return configs_from_args(build_parser().parse_args(["generate", "hi", *flags]))[1]
+
+
+def test_command_line_flags():
+    auto = _sparsity("--layer-budgets", "auto", "--target-compression", "4")
+    assert (auto.layer_budgets, auto.target_compression, auto.full_layers) == ("auto", 4.0, None)
+    listed = _sparsity("--layer-budgets", "none,64,None,48", "--model", "dummy:tiny")
+    assert listed.layer_budgets == [None, 64, None, 48]
+    assert _sparsity().full_layers == "auto"  # unchanged without layer budgets
+    with pytest.raises(ValueError, match="leave full_layers unset"):
+        _sparsity("--layer-budgets", "auto", "--target-compression", "4", "--full-layers", "2")
+    with pytest.raises(ValueError, match="--layer-budgets must be"):
+        _sparsity("--layer-budgets", "64,half")
