@@ -2,7 +2,8 @@
 
 Thresholds come from measured values (docs/accuracy.md), with margin. Six prompts of 500 tokens
 (passkey, needle in English text, multi-key needle), query-aware, every compressing config at
-2x effective compression over all layers.
+2x effective compression over all layers; and the shipped per-layer budgets against uniform
+SnapKV at 4x (docs/layer_budgets.md).
 """
 
 from __future__ import annotations
