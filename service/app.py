@@ -257,7 +257,11 @@ def build_app(
         "created": started,
         "owned_by": "kvsparse",
         "max_model_len": settings.max_model_len,
-        "kvsparse": {"pools": [p.describe() for p in settings.pools]},
+        "kvsparse": {
+            "pools": [p.describe() for p in settings.pools],
+            "quantization": settings.quantization,
+            "kv_cache_dtype": settings.kv_cache_dtype,
+        },
     }
 
     @app.get("/v1/models")

@@ -338,6 +338,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         served_model_name=served_name,
         max_model_len=engine.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
+        quantization=engine.quantization,
+        kv_cache_dtype=engine.kv_cache_dtype,
         api_key=cfg.api_key,
         max_inflight_requests=max_inflight,
         max_request_bytes=cfg.max_request_bytes,

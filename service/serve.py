@@ -167,6 +167,8 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         served_model_name=args.served_model_name or args.model,
         max_model_len=engine_config.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
+        quantization=engine_config.quantization,
+        kv_cache_dtype=engine_config.kv_cache_dtype,
         api_key=args.api_key,
         max_inflight_requests=args.max_inflight_requests
         or 4 * engine_config.max_num_seqs * len(pools),

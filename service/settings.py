@@ -107,6 +107,10 @@ class ServerSettings:
     max_inflight_requests: int = 256
     max_request_bytes: int = 4 * 2**20
     max_choices: int = 16  # prompts x n per request
+    # What the engines compute and store in (EngineConfig.quantization / kv_cache_dtype),
+    # reported by /v1/models.
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     # A body not received whole within this is answered 408 (a client trickling it holds a
     # connection, and a shutdown, no longer).
     timeout_request_body_s: float = 30.0

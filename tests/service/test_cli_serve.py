@@ -16,7 +16,8 @@ from tests.service.servers import ServeProcess
 def served():
     server = ServeProcess(["dummy:tiny", "--host", "127.0.0.1", "--policy", "dense",
                            "--max-model-len", "256", "--kv-cache-memory-gb", "0.01",
-                           "--served-model-name", "tiny", "--log-level", "warning"],
+                           "--served-model-name", "tiny", "--log-level", "warning",
+                           "--kv-cache-dtype", "fp8"],
                           env={"KVSPARSE_API_KEY": "env-key"})  # fmt: skip
     try:
         yield server.wait_healthy().base_url
@@ -26,10 +27,12 @@ def served():
         server.stop()
 
 
-def test_serves_the_model_under_its_served_name(served):
+def test_serves_the_model_under_its_served_name_with_its_kv_cache_dtype(served):
     models = httpx.get(served + "/v1/models", headers={"Authorization": "Bearer env-key"})
     assert [m["id"] for m in models.json()["data"]] == ["tiny"]
-    assert models.json()["data"][0]["max_model_len"] == 256
+    card = models.json()["data"][0]
+    assert card["max_model_len"] == 256
+    assert (card["kvsparse"]["kv_cache_dtype"], card["kvsparse"]["quantization"]) == ("fp8", None)
     out = httpx.post(
         served + "/v1/completions",
         json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
