@@ -336,7 +336,7 @@ def main(args: argparse.Namespace) -> int:
         )
         results.append(result)
         print(json.dumps(asdict(result)), file=sys.stderr, flush=True)
-        if args.json:  # rewritten after every run, so a cut-short session keeps what finished
+        if args.json:  # rewritten after every run, so a run cut short keeps what finished
             with open(args.json, "w") as f:
                 json.dump(
                     {
