@@ -44,9 +44,10 @@ def test_an_fp8_cache_holds_twice_the_tokens_in_the_same_memory():
     "sparsity,engine_args",
     [
         (SparsityConfig(), {}),
-        (
+        pytest.param(
             SparsityConfig(policy="snapkv", budget=24, window=4, sinks=2, full_layers=3),
             {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},
+            marks=pytest.mark.slow,  # ~2 min on 2 cores; the kernels' FP8 tests cover its paths
         ),
     ],
     ids=["dense", "snapkv-chunked"],
