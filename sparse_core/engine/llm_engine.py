@@ -181,9 +181,14 @@ class LLMEngine:
 
     def _profile_activations(self) -> int:
         """Bytes of the largest step's activations, when the KV cache is sized by them."""
-        if self.config.kv_cache_memory_gb is not None or self.runner.device.type != "cuda":
+        if not self._kv_cache_sized_by_gpu_memory:
             return 0
         return self.runner.profile_activation_bytes()
+
+    @property
+    def _kv_cache_sized_by_gpu_memory(self) -> bool:
+        """Whether the KV cache takes what GPU memory leaves (not kv_cache_memory_gb, not CPU)."""
+        return self.config.kv_cache_memory_gb is None and self.runner.device.type == "cuda"
 
     def _allocate_kv_cache(self, kv_bytes: int) -> list[int]:
         """The KV cache of `kv_bytes` split into the groups' blocks, allocated, then the decode
@@ -208,7 +213,7 @@ class LLMEngine:
         that the whole process, CUDA context included, fits the limit as it would a card of
         that size. Returns the blocks per group."""
         blocks = self._allocate_kv_cache(kv_bytes)
-        if self.config.kv_cache_memory_gb is not None or self.runner.device.type != "cuda":
+        if not self._kv_cache_sized_by_gpu_memory:
             return blocks
         device = self.runner.device
         used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)

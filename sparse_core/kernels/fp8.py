@@ -25,9 +25,10 @@ class KVScales(NamedTuple):
     """One layer's FP8 KV cache scales (`EngineConfig.kv_cache_dtype="fp8"`): the cache holds
     k / k_scale and v / v_scale in e4m3, saturated to its range, and readers multiply back.
 
-    One scale per layer for K and one for V (vLLM's granularity): 1.0 unless the checkpoint
-    carries calibrated scales, as vLLM does without them. A kernel writing into a cache of a
-    wider dtype divides by scales of 1.0, which changes nothing.
+    One scale per layer for K and one for V (vLLM's granularity). The engine keeps them at 1.0,
+    as vLLM does for a checkpoint without calibrated scales (loading such scales is not
+    implemented); the kernels take any. A kernel writing into a cache of a wider dtype divides
+    by scales of 1.0, which changes nothing.
     """
 
     k: float = 1.0

@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparse_core.kernels import reference
-from sparse_core.kernels.fp8 import UNIT_SCALES, KVScales
+from sparse_core.kernels.fp8 import FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.kernels.launcher import launch
 
 if triton.knobs.runtime.interpret:
@@ -44,6 +44,7 @@ if triton.knobs.runtime.interpret:
     apply_interpreter_fixes()
 
 LOG2E = math.log2(math.e)  # host side; inside kernels the constants are written out
+_FP8_MAX = tl.constexpr(FP8_MAX)
 
 
 def check_head_dim(head_dim: int) -> None:
@@ -451,7 +452,7 @@ def _to_cache(x, factor, cache_ptr):
     FP8 cache (Triton's conversion would give NaN past it), as `reference.to_cache`."""
     y = x.to(tl.float32) * factor
     if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        y = tl.clamp(y, -448.0, 448.0)
+        y = tl.clamp(y, -_FP8_MAX, _FP8_MAX)
     return y.to(cache_ptr.dtype.element_ty)
 
 
