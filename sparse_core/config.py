@@ -16,7 +16,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 @dataclass
 class SparsityConfig:
-    """Which prompt tokens each layer keeps after prefill (DESIGN.md §3).
+    """Which tokens each layer keeps after prefill (docs/architecture.md, "The sparsity algorithm").
 
     policy:       dense | snapkv | pyramid | streamingllm | random
     budget:       tokens kept per KV head in a sparse layer (pyramid: the mean over sparse layers)
