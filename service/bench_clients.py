@@ -77,7 +77,7 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
     stream = await client.completions.create(
         model=model,
         # The token ids go in extra_body, which the client sends as is: as `prompt` it would
-        # walk every id through its parameter transform first, a real cost in this process's CPU
+        # walk every id through its parameter transform first, a cost in this process's CPU per
         # request, paid one request after another when a round of clients sends together.
         # The request on the wire is the same.
         prompt=[],
