@@ -2,9 +2,9 @@
 client, sent from processes of their own.
 
 A load generator must not be what limits the server it measures. The `openai` client spends
-~0.1 ms of CPU on each streamed chunk, and 40 clients of a server that steps every 7 ms receive
-~6,000 chunks a second: in one event loop they fell behind the server by up to 0.8 s (measured
-on an H200 serving 40 clients), which delayed every client's next request and starved the
+CPU on each streamed chunk, and 40 clients of a server that steps every few milliseconds
+receive thousands of chunks a second: in one event loop they fell behind the server
+(docs/benchmarks.md, "Engine internals"), which delayed every client's next request and starved the
 engine. The clients are therefore spread over processes, each with its own event loop and
 `openai` client, started together at each load level.
 """
@@ -77,8 +77,8 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
     stream = await client.completions.create(
         model=model,
         # The token ids go in extra_body, which the client sends as is: as `prompt` it would
-        # walk the 4000 ids through its parameter transform first, ~30 ms of this process's CPU
-        # per request, paid one request after another when a round of clients sends together.
+        # walk every id through its parameter transform first, a cost in this process's CPU per
+        # request, paid one request after another when a round of clients sends together.
         # The request on the wire is the same.
         prompt=[],
         max_tokens=output_len,
@@ -106,8 +106,8 @@ WARM_UP_TIMEOUT_S = 10.0
 
 async def warm_up(client, connections: int) -> None:
     """Make the client's first calls before a level starts, so that its requests do not pay for
-    them: a process's first call sets the `openai` client up (42 ms on a 2-core machine, 3 ms
-    for the calls after it) and each concurrent one opens a connection. Failures (a server that
+    them: a process's first call sets the `openai` client up (far slower than the calls after
+    it) and each concurrent one opens a connection. Failures (a server that
     refuses or does not answer within WARM_UP_TIMEOUT_S) are left to the level's requests to
     report."""
     calls = min(connections, WARM_CONNECTIONS_MAX)

@@ -43,9 +43,8 @@ def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
     A server is judged by time to first token, an offline batch by throughput:
 
     - max_num_batched_tokens: max_model_len, one longest prompt per step, so that a request that
-      finds no prompt queued waits for at most the step in flight. Serving 4000-token prompts on
-      an H200 with max_model_len 4608 it kept the throughput of two prompts per step and cut TTFT
-      p50.
+      finds no prompt queued waits for at most the step in flight. Serving long prompts it kept
+      the throughput of two prompts per step and cut TTFT p50.
     - space_admissions: on, so that a burst of requests does not finish in lockstep and come
       back faster than one prefill per step can take them.
 

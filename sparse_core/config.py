@@ -16,7 +16,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 @dataclass
 class SparsityConfig:
-    """Which prompt tokens each layer keeps after prefill (DESIGN.md §3).
+    """Which tokens each layer keeps after prefill (docs/architecture.md, "The sparsity algorithm").
 
     policy:       dense | snapkv | pyramid | streamingllm | random
     budget:       tokens kept per KV head in a sparse layer (pyramid: the mean over sparse layers)
@@ -157,8 +157,8 @@ def _is_int(x: Any) -> bool:
 
 # Tokens per KV page when EngineConfig.block_size is None. On CUDA a page is one key tile of the
 # paged decode kernel (128 keys at head dims up to 128), which then finds a tile's rows from one
-# page number instead of one per token: 16-20% less time per layer at batch 20 on an H200, and
-# ~0.16 ms less per decode step of Llama-3-8B (docs/benchmarks.md). The cost is memory: on
+# page number instead of one per token, a faster read (docs/benchmarks.md, "Kernels and the
+# decode roofline"). The cost is memory: on
 # average half a page per sequence and layer group stays unused.
 CUDA_BLOCK_SIZE = 128
 DEFAULT_BLOCK_SIZE = 16
@@ -188,20 +188,20 @@ class EngineConfig:
       last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
       groups shrink to their budget after it).
     space_admissions: while sequences decode, a step that ended a prompt's prefill is followed
-      by one that admits none (its decode rows alone, ~6 ms for Llama-3-8B at batch 20 on an
-      H200) before the next prompt joins; a prompt with a single token to generate does not
+      by one that admits none (its decode rows alone, a short decode-only step) before the
+      next prompt joins; a prompt with a single token to generate does not
       count (it never decodes), nor do the chunks of a chunked prompt before its last. Prompts
       admitted in consecutive steps produce their tokens in lockstep and, at equal lengths,
       finish in consecutive steps, faster than their clients can send the next requests (a
       closed loop, a chat's next turn): those then queue behind each other for the rest of the
       run, one long prefill step each. Spacing the admissions of a burst costs one decode-only
-      step per prompt admitted behind another; serving 20 and 40 clients of 4000-token prompts
-      it took TTFT p50 from 0.34 to ~0.23 s (docs/benchmarks.md). Off by default; `kvsparse
+      step per prompt admitted behind another, and takes a closed loop's TTFT p50 down by about
+      one prefill (docs/benchmarks.md, "Time to first token"). Off by default; `kvsparse
       serve` turns it on.
     max_prefill_graph_tokens: steps that prefill with up to this many tokens (decode rows
       included) run everything but their attention from CUDA graphs captured at start-up, in
       buckets of 64 tokens; longer steps, whose device time hides their launches, run eagerly. The
-      graphs' memory (about 0.26 GiB for 2048 tokens of Llama-3-8B) comes out of the KV cache
+      graphs' memory (docs/benchmarks.md, "Engine internals") comes out of the KV cache
       when that is sized from GPU memory (on top of kv_cache_memory_gb otherwise). None: with
       chunked prefill and max_num_batched_tokens up to 2048, every step (its prompt tokens plus
       max_num_seqs decode rows), else 2048; without chunked prefill, 512 (steps of short

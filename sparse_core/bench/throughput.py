@@ -3,7 +3,7 @@
 `kvsparse bench throughput --model dummy:llama3-8b --policies dense,snapkv,pyramid
 --gpu-memory-limit-gb 24` runs each policy in turn on the same GPU and prints one table; the
 JSON (`--json`) keeps every figure, including decode-step times per batch size and their
-fraction of the bandwidth roofline (DESIGN.md §4).
+fraction of the bandwidth roofline (docs/benchmarks.md, "Kernels and the decode roofline").
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ KEEP_DECODING = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0
 def sparsity_for(
     policy: str, budget: int = 512, window: int = 32, full_layers: int = 3
 ) -> SparsityConfig:
-    """The benchmarks' sparsity settings (DESIGN.md's 4000-in / 500-out workload)."""
+    """The sparsity settings of the 4000-in / 500-out benchmarks (docs/benchmarks.md, "Setup")."""
     if policy == "dense":
         return SparsityConfig(policy="dense")
     return SparsityConfig(policy=policy, budget=budget, window=window, full_layers=full_layers)

@@ -1,4 +1,4 @@
-"""Splitting KV memory between layer groups at start-up (DESIGN.md §3, "Memory")."""
+"""Splitting KV memory between layer groups at start-up (docs/architecture.md, "The KV cache")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism: attention heads and MLP columns split over ranks (DESIGN.md §2–§3).
+"""Tensor parallelism: attention heads and MLP columns split over ranks (docs/architecture.md).
 
 Each rank holds the KV pools of its own KV heads and scores and selects its own heads, so
 compression adds no communication; one scheduler, in the engine's process (rank 0), drives all

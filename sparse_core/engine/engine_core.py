@@ -2,8 +2,8 @@
 
 A step's host work (scheduling, launching kernels, sampling) needs the GIL, and so does a
 server's work for every token of every stream. In one process the two take turns while the GPU
-waits: on an H200, a snapkv decode step at batch 20 took 11.2 ms while the server streamed 20
-responses, against 6.8 ms without HTTP. In its own process the engine has a GIL of its own, and
+waits, so every decode step takes longer while responses stream (docs/benchmarks.md, "Engine
+internals"). In its own process the engine has a GIL of its own, and
 what crosses between the processes is small: each step's new token ids and new text per request.
 """
 

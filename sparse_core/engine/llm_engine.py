@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GB = 2.0
 # GPU memory taken outside torch's allocator after the KV cache is sized: kernel modules loaded
-# on first use and library workspaces. Llama-3-8B on an H200 peaked 10 MiB above its limit
-# without this margin.
+# on first use and library workspaces; without this margin a process at its limit ends up
+# above it (docs/benchmarks.md, "Engine internals").
 LATE_RUNTIME_BYTES = 64 * 2**20
 # How far from its memory limit a started engine may be before its KV cache is resized.
 REFIT_SLACK_BYTES = 256 * 2**20

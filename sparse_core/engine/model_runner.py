@@ -65,8 +65,8 @@ def resolve_device(name: str | None) -> torch.device:
 def use_one_host_thread() -> None:
     """For a process that drives a GPU: one torch CPU thread, unless OMP_NUM_THREADS says
     otherwise. Its host work is tiny tensors, on which a pool of threads (torch's default: one
-    per core) only spins against the other processes of a server. Measured on an H200 serving 20
-    clients: decode steps took 10.9 ms with 16 threads and 6.5 ms with one."""
+    per core) only spins against the other processes of a server, and every decode step waits
+    on it (docs/benchmarks.md, "Engine internals")."""
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 

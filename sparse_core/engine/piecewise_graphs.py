@@ -3,9 +3,9 @@
 A step that prefills cannot be captured whole: its attention depends on how many prompts it
 holds, their lengths, the chunks cached before them and which layer groups compress them. What
 lies between two attentions (o_proj, the norms, the MLP, the next layer's qkv projection)
-depends only on the step's token count, and it is most of an eager step's launches: on an
-H200 host an eager step of a 32-layer model took 20-40 ms to launch, more than the device time of
-a 1,024-token chunk. So each token-count bucket gets one graph per stretch between attentions
+depends only on the step's token count, and it is most of an eager step's launches, whose host
+time for a 32-layer model exceeded the device time of a 1,024-token chunk (docs/benchmarks.md,
+"Engine internals"). So each token-count bucket gets one graph per stretch between attentions
 (layers + 1 of them); attention runs eagerly between their replays: it rotates q and k (RoPE) in
 place in the static qkv buffer, stores the keys and values, and writes its output to another
 static buffer. The pieces never touch the KV cache.

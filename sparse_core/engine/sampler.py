@@ -5,9 +5,8 @@ distribution after top-k and top-p, by inverse CDF.
 Every sampled row draws one uniform number on the host, from its sequence's own generator when
 the request has a `seed` (so its output does not depend on what else is in the batch) and from
 the engine's otherwise. The rest is a few batched ops on the device, whose result stays there
-until the engine asks for it: on an H200, 13 rows of a 128k vocabulary take 0.6 ms at
-temperature 1 (0.9 ms with top-p), where copying each row to the host to sample it took 75 ms
-(206 ms).
+until the engine asks for it: copying each row of a large vocabulary to the host to sample it
+there costs many decode steps' time (docs/benchmarks.md, "Engine internals").
 """
 
 from __future__ import annotations

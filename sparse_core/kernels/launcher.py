@@ -1,8 +1,8 @@
 """Launching Triton kernels with less host work than `kernel[grid](...)`.
 
 On every call Triton's JIT binds and specialises each argument, builds a cache-key string and
-checks the kernel's globals before its compiled launcher runs: 25-40 µs of host time per launch on
-an H200 host, against ~8 µs for the launcher alone. An eager step launches hundreds of kernels.
+checks the kernel's globals before its compiled launcher runs, several times the launcher's own
+host time (docs/benchmarks.md, "Engine internals"); an eager step launches hundreds of kernels.
 `launch` keeps each kernel's compiled binaries under a key of the device and of what Triton
 specialises them on (each tensor's dtype and 16-byte alignment; each tensor descriptor's dtype
 and block shape; each integer's equality to 1, divisibility by 16 and 32-bit range; the keyword

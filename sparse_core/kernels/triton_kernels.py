@@ -16,7 +16,7 @@ set before this module is imported; see `triton_interpreter.py`), which the test
 interpreter gets small tiles so that tiny test shapes still cross tile boundaries. Off the GPU the
 engine should use `reference.py`, which is far faster than the interpreter.
 
-Tile sizes were chosen by timing on an H200 (Triton 3.6); `sparse_core.bench.kernels` re-measures.
+Tile sizes were chosen by timing them (docs/benchmarks.md); `sparse_core.bench.kernels` re-measures.
 Prefill attention reads keys and values through TMA tensor descriptors on NVIDIA GPUs from
 Hopper on (and under the interpreter); on older GPUs, and for tensors TMA cannot address, by
 pointers. The tests run both.
@@ -61,8 +61,8 @@ def early_launch(x: torch.Tensor) -> dict[str, bool]:
     """The constexpr PDL and the launch option for programmatic dependent launch, on GPUs from
     Hopper on: the kernel is launched as the kernel before it finishes (its blocks resident
     early), and waits in `gdc_wait()`, its first statement, until that kernel's writes are
-    visible. In a decode step every one of these kernels follows a matmul; the launch's latency,
-    ~1 µs, is what this hides. Off elsewhere: older NVIDIA GPUs, ROCm, the interpreter."""
+    visible. In a decode step every one of these kernels follows a matmul, and the launch's
+    latency is what this hides. Off elsewhere: older NVIDIA GPUs, ROCm, the interpreter."""
     if not x.is_cuda:
         return {"PDL": False}
     pdl = torch.version.hip is None and _gpu(x.device).major >= 9
@@ -242,13 +242,12 @@ def _gpu(device: torch.device):
 def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
 
-    At D=128 on an H200 (4000 tokens), keys and values read through TMA run fastest in 128x128
-    tiles with 8 warps and 3 stages: 0.307 ms, 427 TFLOP/s, against 0.323 ms in 128x64 tiles.
-    Those need the shared memory of a data-centre GPU (sm_90, sm_100: 227 KB a block, not the
-    ~100 KB of sm_120) and 2-byte elements. Read by pointers, 128x64 tiles with 8 warps and 3
-    stages were the fastest of nine shapes (0.345 ms, 380 TFLOP/s; 64x64 0.35 ms, 128x64 with 4
-    warps 0.58 ms; 128x128 with 4 stages does not fit). D=256 halves both tiles to fit. The
-    interpreter gets 32x16 so tiny tests cross tile boundaries.
+    At D=128, keys and values read through TMA run fastest in 128x128 tiles with 8 warps and 3
+    stages, ahead of 128x64 tiles. Those need the shared memory of a data-centre GPU (sm_90,
+    sm_100: 227 KB a block, not the ~100 KB of sm_120) and 2-byte elements. Read by pointers,
+    128x64 tiles with 8 warps and 3 stages were the fastest of nine shapes (128x128 with 4
+    stages does not fit). Timings: docs/benchmarks.md, "Kernels and the decode roofline".
+    D=256 halves both tiles to fit. The interpreter gets 32x16 so tiny tests cross tile boundaries.
     """
     head_dim = k.shape[-1]
     if not k.is_cuda:
@@ -345,7 +344,7 @@ def prefill_attention(
 # divisible by 16, or neither). Arguments that vary from request to request (prompt lengths, a
 # step's token count, row counts, the width of a step's block tables), and the strides that equal
 # them, are left unspecialised, so that serving never stops to compile a kernel after start-up
-# (each compile stalled a step by 0.6-1.2 s on an H200).
+# (a compile stalls the step that needs it for far longer than a step; docs/benchmarks.md).
 @triton.jit(do_not_specialize=["num_scored", "stride_lh", "stride_oh"])
 def _window_scores_kernel(
     q_ptr,
@@ -751,11 +750,11 @@ def _combine_splits_kernel(
 # Flash-decoding: a decode step launches batch x Hkv programs. With fewer programs than SMs (a few
 # long sequences) most of the GPU idles, so the key axis is cut into splits that run in parallel
 # (about two waves of programs), and a second small kernel merges them. A split holds at least one
-# full key tile. Measured on an H200 (32q/8kv heads, D=128): batch 1 at 4500 tokens runs 7x faster
-# with 33 splits; at batch x Hkv >= SMs splitting only adds work (batch 32: 145 µs unsplit, 180 µs
-# with 2 splits). Rules that split more (8 splits below two waves, or enough to fill the last
-# wave) won up to 1.3x on the kernel alone, but lost 0.1 ms per step inside a 32-layer decode
-# graph at batch 13 (dense) and 20 (snapkv): docs/benchmarks.md, "Async scheduling".
+# full key tile. A few long sequences run several times faster split; once batch x Hkv >= SMs,
+# splitting only adds work. Rules that split more (8 splits below two waves, or enough to fill the
+# last wave) won on the kernel alone but lost inside the 32-layer decode graphs, whose sparse
+# layers' short contexts gain nothing from splits and pay the merge kernel (docs/benchmarks.md,
+# "Kernels and the decode roofline").
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
@@ -782,8 +781,8 @@ def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages) for the decode kernel.
 
     Long tiles keep many bytes in flight per program, which is what a bandwidth-bound kernel
-    needs: on an H200, 128 keys x 128 dims beat 64 keys by up to 1.5x unsplit and reach ~98% of
-    copy bandwidth at batch 64 x 4500 tokens. Halved at D=256 to stay within shared memory.
+    needs: 128 keys x 128 dims beat 64 keys unsplit and read long contexts near copy bandwidth
+    (docs/benchmarks.md). Halved at D=256 to stay within shared memory.
     """
     if not q.is_cuda:
         return 16, 4, 1
@@ -818,7 +817,7 @@ def paged_decode_attention(
 
     block_tables [B, max_blocks] (int32, padded), context_lens [B]. Any page size works; with
     pages of a multiple of the key tile (128 keys on a GPU at D <= 128) each tile is read from
-    one page number: 16-20% less time on an H200 than a gather per token. `max_context_len`
+    one page number, faster than a gather per token (docs/benchmarks.md). `max_context_len`
     (an upper bound is enough) only chooses the number of splits, without a device-to-host
     sync, so the launch can be captured in a CUDA graph; every split count reads each whole
     context. `out`: where to write the output (default: a new tensor; its head dim must be
@@ -852,7 +851,7 @@ def rotate_store_and_decode(
     per sequence), then `paged_decode_attention` over contexts that include those tokens.
 
     One launch when the keys are not split (every decode step from batch x Hkv >= SMs, where a
-    separate launch costs as much as its work: ~3 µs a layer on an H200); with splits, the
+    separate launch of the store costs as much as its work); with splits, the
     programs of one sequence would race on its new key, so it is stored in a launch first.
     """
     new = NewKeys(k, v, positions, cos, sin, slot_mapping)
@@ -938,9 +937,9 @@ def _paged_decode(
 # ---------------------------------------------------------------------------------------------
 # 3b. Token selection: pooling, top-k and the kept rows in one launch
 #
-# The same selection in torch (`reference.select_kept_rows`) is ~28 small ops per layer, ~12 ms of
-# host time per compressing step of a 32-layer model. On an H200 this kernel takes 38 µs per layer
-# for a 4,000-token prompt (one program per prompt and KV head), less than torch's two sorts.
+# The same selection in torch (`reference.select_kept_rows`) is ~28 small ops per layer, whose
+# host time made a compressing step host-bound; this kernel (one program per prompt and KV head)
+# also takes less device time than torch's two sorts (docs/benchmarks.md).
 # ---------------------------------------------------------------------------------------------
 
 _POOLING = {"none": 0, "avg": 1, "max": 2}
