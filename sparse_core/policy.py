@@ -1,6 +1,8 @@
-"""Which layers keep everything, which budget each other layer gets, and which tokens it keeps.
+"""Which layers keep everything, and which budget each other layer gets (the layer plan).
 
 Layers with the same budget form a *layer group*: one KV pool and one block table per sequence.
+Which tokens a sparse layer keeps is sparse_core/selection.py's; what a group's cache holds of
+a sequence over its life, sparse_core/cache/retention.py's.
 """
 
 from __future__ import annotations
@@ -11,12 +13,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from sparse_core.config import SparsityConfig
-from sparse_core.engine.transfers import to_device
-from sparse_core.kernels import KernelOps
-from sparse_core.kernels.reference import rows_by_head
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 # Per-layer budget profiles: LAYER_BUDGET_DIR / <model> / <target compression>x.json.
@@ -219,111 +216,3 @@ def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:
         band = max(floor, round(sum(raw[lo:hi]) / (hi - lo)))
         budgets += [band] * (hi - lo)
     return budgets
-
-
-@dataclass
-class PromptBatch:
-    """Prompts packed in a prefill step: host bounds, and the same on the device (built once per
-    step, so the layers do no host-to-device copies, which would stall the launch queue; copied
-    from page-locked memory, so that a step prepared while the one before it runs does not wait
-    for it)."""
-
-    bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed keys
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    # Where each prompt's window queries end in the packed queries: the ends of `bounds`, unless
-    # the step's keys are packed apart from its queries (a prompt's last chunk, whose earlier
-    # chunks' keys were gathered from the cache).
-    query_ends: list[int]
-
-    @classmethod
-    def from_bounds(
-        cls,
-        bounds: list[tuple[int, int]],
-        device: torch.device,
-        query_ends: list[int] | None = None,
-    ) -> PromptBatch:
-        on_device = to_device(bounds, torch.int64, device).view(-1, 2)
-        ends = [end for _, end in bounds] if query_ends is None else query_ends
-        return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0], ends)
-
-
-def select_kept_tokens(
-    sparsity: SparsityConfig,
-    budget: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor | None,
-    prompts: PromptBatch,
-    scale: float,
-    ops: KernelOps,
-    generator: torch.Generator | None = None,
-    kv_heads: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """Rows of the packed K/V that a layer keeps, per KV head, for several prompts at once.
-
-    q [T, Hq, D] and k [T', Hkv, D] are a prefill step's packed queries and keys (RoPE applied);
-    lse [Hq, T] the attention kernel's row LSE, or None to compute the window rows' LSE here;
-    prompts: the prompts to compress (each longer than the budget);
-    kv_heads: (first, total) when k holds only some of the model's KV heads (tensor parallelism).
-    Returns int64 [Hkv, len(prompts.bounds) * budget]: prompt j's kept rows, ascending, in columns
-    [j * budget, (j + 1) * budget). Every step after the scores is batched over the prompts, so
-    the launches per layer do not grow with the number of prompts.
-    """
-    sinks = sparsity.sinks
-    bounds, starts, lengths = prompts.bounds, prompts.starts, prompts.lengths
-    if sparsity.policy == "streamingllm":
-        device = k.device
-        recent = budget - sinks
-        positions = torch.cat(
-            [
-                torch.arange(sinks, device=device).expand(len(bounds), -1),
-                (lengths - recent).unsqueeze(1) + torch.arange(recent, device=device),
-            ],
-            dim=1,
-        )
-        return rows_by_head(positions.unsqueeze(1).expand(-1, k.shape[1], -1), starts)
-    scores = [
-        _window_scores(sparsity, q, k, lse, b, e, scale, ops, generator, kv_heads)
-        for b, e in zip(bounds, prompts.query_ends, strict=True)
-    ]
-    return ops.select_kept_rows(
-        scores,
-        lengths - sparsity.window,
-        starts,
-        budget,
-        sparsity.window,
-        sinks,
-        sparsity.pooling,
-        sparsity.kernel_size,
-    )
-
-
-def _window_scores(
-    sparsity: SparsityConfig,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    lse: torch.Tensor | None,
-    bounds: tuple[int, int],
-    query_end: int,
-    scale: float,
-    ops: KernelOps,
-    generator: torch.Generator | None,
-    kv_heads: tuple[int, int] | None = None,
-) -> torch.Tensor:
-    """[Hkv, n - window] scores of one prompt's non-window tokens: keys k[bounds], window
-    queries q[query_end - window : query_end]."""
-    start, end = bounds
-    window = sparsity.window
-    if sparsity.policy == "random":
-        # Draw for all of the model's KV heads and keep this rank's: the same draws at any TP size.
-        first, total = kv_heads or (0, k.shape[1])
-        scores = torch.rand(total, end - start - window, generator=generator)
-        return scores[first : first + k.shape[1]].to(k.device)
-    q_win, keys = q[query_end - window : query_end], k[start:end]
-    lse_win = (
-        ops.window_lse(q_win, keys, scale)
-        if lse is None
-        else lse[:, query_end - window : query_end]
-    )
-    return ops.window_scores(q_win, keys, lse_win, scale, sparsity.gqa_reduce)

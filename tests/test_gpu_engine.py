@@ -180,7 +180,7 @@ llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb={limit_gb}, m
 out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
 free, total = torch.cuda.mem_get_info()
 blocks = llm.engine.stats().kv_blocks["full"]["total"]
-kv = blocks * llm.engine.config.block_size * llm.engine.runner.bytes_per_token_per_layer() * 30
+kv = blocks * llm.engine.config.block_size * llm.engine.retention.bytes_per_token_per_layer * 30
 print(json.dumps({{"used": total - free, "kv": kv, "tokens": len(out.token_ids)}}))
 """
     proc = subprocess.run(

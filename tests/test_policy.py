@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sparse_core import LLM
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels import reference as ref
-from sparse_core.policy import PromptBatch, select_kept_tokens
+from sparse_core.selection import PromptBatch, selection_policy
 
 
 def reference_selection(sparsity: SparsityConfig, budget, q, k, start, end, scale):
@@ -36,7 +37,7 @@ def test_batched_selection_equals_per_prompt_reference(pooling, gqa_reduce):
         start += n
     q, k = torch.randn(start, 6, 16), torch.randn(start, 2, 16)
     prompts = PromptBatch.from_bounds(bounds, k.device)
-    kept = select_kept_tokens(sparsity, 40, q, k, None, prompts, 0.25, REFERENCE_OPS)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 40, 0.25)
     assert kept.shape == (2, 40 * len(lengths))
     for j, (s, e) in enumerate(bounds):
         expected = reference_selection(sparsity, 40, q, k, s, e, 0.25)
@@ -47,7 +48,7 @@ def test_streamingllm_keeps_sinks_and_the_most_recent_tokens():
     sparsity = SparsityConfig(policy="streamingllm", budget=10, window=4, sinks=2)
     q, k = torch.randn(50, 2, 8), torch.randn(50, 2, 8)
     prompts = PromptBatch.from_bounds([(0, 20), (20, 50)], k.device)
-    kept = select_kept_tokens(sparsity, 10, q, k, None, prompts, 1.0, REFERENCE_OPS)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 10, 1.0)
     assert kept[0, :10].tolist() == [0, 1, *range(12, 20)]
     assert kept[1, 10:].tolist() == [20, 21, *range(42, 50)]
 
@@ -55,18 +56,26 @@ def test_streamingllm_keeps_sinks_and_the_most_recent_tokens():
 def test_random_policy_keeps_sinks_and_window_and_differs_per_head():
     sparsity = SparsityConfig(policy="random", budget=16, window=4, sinks=2)
     q, k = torch.randn(200, 4, 8), torch.randn(200, 2, 8)
-    kept = select_kept_tokens(
-        sparsity,
-        16,
-        q,
-        k,
-        None,
-        PromptBatch.from_bounds([(0, 200)], k.device),
-        1.0,
-        REFERENCE_OPS,
-        torch.Generator().manual_seed(0),
-    )
+    prompts = PromptBatch.from_bounds([(0, 200)], k.device)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 16, 1.0)
     for head in kept:
         assert head[:2].tolist() == [0, 1] and head[-4:].tolist() == [196, 197, 198, 199]
         assert len(set(head.tolist())) == 16
     assert not torch.equal(kept[0], kept[1])
+
+
+def test_the_start_up_profile_leaves_the_random_policys_stream_where_serving_starts_it(
+    monkeypatch,
+):
+    """The profile's step runs a policy of its own. It measures CUDA memory; on a CPU those
+    counters are stubbed and the step runs as it would on a GPU."""
+    for name in ("synchronize", "reset_peak_memory_stats", "memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 0)
+    sparsity = SparsityConfig(policy="random", budget=24, window=4, sinks=2, full_layers=1)
+    with LLM("dummy:tiny", max_model_len=128, kv_cache_memory_gb=0.01, sparsity=sparsity) as llm:
+        runner = llm.engine.runner
+        start = torch.Generator().manual_seed(sparsity.seed).get_state()
+        runner.profile_activation_bytes()
+        assert not torch.equal(runner.profile_selection.generator.get_state(), start)  # it drew
+        assert torch.equal(runner.selection.generator.get_state(), start)

@@ -191,7 +191,7 @@ def run_one(
                 b["total"] * len(g.layers) * engine.config.block_size
                 for g, b in zip(engine.plan.groups, stats.kv_blocks.values(), strict=True)
             )
-            * runner.bytes_per_token_per_layer()
+            * engine.retention.bytes_per_token_per_layer
             / 2**30,
             2,
         ),
@@ -213,7 +213,7 @@ def run_one(
             sum(r.kernel_first_launch_seconds for r in engine.step_records), 3
         ),
         decode_by_batch=decode_table(
-            engine.step_records, weights, runner.bytes_per_token_per_layer(), bandwidth
+            engine.step_records, weights, engine.retention.bytes_per_token_per_layer, bandwidth
         ),
     )
     engine.shutdown()  # tensor-parallel workers: the next policy starts its own

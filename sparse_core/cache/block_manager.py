@@ -5,16 +5,13 @@ from __future__ import annotations
 import torch
 
 from sparse_core.cache.block_pool import BlockPool
+from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.engine.sequence import Sequence
-from sparse_core.policy import LayerPlan
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class BlockManager:
-    """Owns the pools, and a host-side mirror of every running sequence's block tables.
+    """Owns the pools, and a host-side mirror of every running sequence's block tables; how
+    many tokens each group holds of a sequence, it asks the group's retention.
 
     The mirror (one int32 row per running sequence and group) changes only when a block is
     allocated, so a decode step gathers its block tables with one indexing op per group instead
@@ -23,16 +20,15 @@ class BlockManager:
 
     def __init__(
         self,
-        plan: LayerPlan,
+        retention: KVRetention,
         blocks_per_group: list[int],
-        block_size: int,
         max_num_seqs: int,
         max_model_len: int,
     ) -> None:
-        self.plan = plan
-        self.block_size = block_size
+        self.groups = retention.groups
+        self.block_size = retention.block_size
         self.pools = [BlockPool(n) for n in blocks_per_group]
-        width = cdiv(max_model_len, block_size)
+        width = cdiv(max_model_len, self.block_size)
         self.host_tables = [
             torch.zeros((max_num_seqs, width), dtype=torch.int32) for _ in blocks_per_group
         ]
@@ -43,34 +39,38 @@ class BlockManager:
         is recomputed after preemption; or the prompt's compressed prefix). While a chunked
         prefill runs, every group holds all of it: the last chunk scores every token."""
         n = seq.num_prefill_tokens
-        return [n if chunked else group.kept_tokens(n) for group in self.plan.groups]
+        return [group.tokens_at_admission(n, chunked) for group in self.groups]
 
     def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
+        lens = self.prefill_kv_lens(seq, chunked)
         return all(
-            cdiv(n, self.block_size) <= pool.num_free
-            for pool, n in zip(self.pools, self.prefill_kv_lens(seq, chunked), strict=True)
+            group.blocks(n) <= pool.num_free
+            for group, pool, n in zip(self.groups, self.pools, lens, strict=True)
         )
 
     def allocate(self, seq: Sequence, chunked: bool = False) -> None:
         lens = self.prefill_kv_lens(seq, chunked)
         seq.table_row = self._free_rows.pop()
         seq.prefill_len = seq.num_prefill_tokens
-        for g, (pool, n) in enumerate(zip(self.pools, lens, strict=True)):
-            blocks = pool.allocate(cdiv(n, self.block_size))
+        for g, (group, pool, n) in enumerate(zip(self.groups, self.pools, lens, strict=True)):
+            blocks = pool.allocate(group.blocks(n))
             seq.block_tables[g] = blocks
             seq.kv_lens[g] = n
             self.host_tables[g][seq.table_row, : len(blocks)] = torch.tensor(blocks)
         # Prompt tokens still to come (forced one per step) are kept whole.
-        seq.prompt_kv_lens = [n + seq.num_forced_prompt_tokens for n in self.prefill_kv_lens(seq)]
+        seq.prompt_kv_lens = [
+            group.tokens_after_prefill(seq.prefill_len, seq.num_forced_prompt_tokens)
+            for group in self.groups
+        ]
 
     def end_prefill(self, seq: Sequence) -> None:
         """After a prefill's last token, every group keeps only the blocks of its kept tokens.
         A chunked prefill held all of them, and its last chunk wrote each compressing group's
         kept tokens to the front of its blocks; a whole prefill holds no more already."""
-        for g, (group, pool) in enumerate(zip(self.plan.groups, self.pools, strict=True)):
-            kept = group.kept_tokens(seq.prefill_len)
+        for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
+            kept = group.tokens_after_prefill(seq.prefill_len)
             table = seq.block_tables[g]
-            num_blocks = cdiv(kept, self.block_size)
+            num_blocks = group.blocks(kept)
             pool.free(table[num_blocks:])
             del table[num_blocks:]
             seq.kv_lens[g] = kept
@@ -118,8 +118,12 @@ class BlockManager:
 
     def usage(self) -> dict[str, dict[str, int]]:
         return {
-            group.name: {"total": pool.num_blocks, "used": pool.num_used, "free": pool.num_free}
-            for group, pool in zip(self.plan.groups, self.pools, strict=True)
+            group.group.name: {
+                "total": pool.num_blocks,
+                "used": pool.num_used,
+                "free": pool.num_free,
+            }
+            for group, pool in zip(self.groups, self.pools, strict=True)
         }
 
     def check_invariants(self, live: list[Sequence]) -> None:

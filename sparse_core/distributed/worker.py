@@ -24,7 +24,6 @@ from sparse_core.distributed.parallel_state import (
 from sparse_core.engine.model_runner import ModelRunner, resolve_device, use_one_host_thread
 from sparse_core.models.config import ModelConfig
 from sparse_core.models.loader import ModelSource, load_model_source
-from sparse_core.policy import plan_layers
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +69,7 @@ def worker_main(
         if weights is None and not config.model.startswith("dummy:"):
             weights = load_model_source(config.model, config.hf_overrides).weights
         source = ModelSource(model_config, weights, tokenizer=None, path=config.model)
-        plan = plan_layers(
-            sparsity, model_config.num_hidden_layers, model_config.name, config.expected_input_len
-        )
-        worker = Worker(ModelRunner(config, sparsity, source, plan))
+        worker = Worker(ModelRunner(config, sparsity, source))
         del source, weights  # the full weights; the runner keeps its shard
         _reply(pipe, "ready", None)
         while True:

@@ -27,7 +27,6 @@ from sparse_core.engine.step_log import StepLog
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
-from sparse_core.policy import plan_layers
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +104,6 @@ class LLMEngine:
         source = model_source or load_model_source(config.model, config.hf_overrides)
         self.model_config = source.config
         self.tokenizer = source.tokenizer
-        self.plan = plan_layers(
-            sparsity,
-            source.config.num_hidden_layers,
-            source.config.name,
-            config.expected_input_len,
-        )
         self.workers: TensorParallelWorkers | None = None
         if config.tensor_parallel_size > 1:
             check_tp_divisibility(source.config, config.tensor_parallel_size)
@@ -124,13 +117,15 @@ class LLMEngine:
             raise
 
     def _start(self, config: EngineConfig, source: ModelSource) -> None:
-        self.runner = ModelRunner(config, self.sparsity, source, self.plan, self.workers)
+        self.runner = ModelRunner(config, self.sparsity, source, self.workers)
+        self.retention = self.runner.retention
+        self.plan = self.retention.plan
         # The activation profile runs eagerly, before any graph exists.
         activations = self._profile_activations()
         prefill_graphs = self.runner.capture_prefill_graphs()
         blocks = self._fit_kv_cache(self._kv_cache_bytes(activations, prefill_graphs))
         self.block_manager = BlockManager(
-            self.plan, blocks, config.block_size, config.max_num_seqs, config.max_model_len
+            self.retention, blocks, config.max_num_seqs, config.max_model_len
         )
         # A chunked prompt's last chunk must hold the observation window, whose queries score it.
         min_last_chunk = self.sparsity.window if self.sparsity.compresses else 1
@@ -139,9 +134,8 @@ class LLMEngine:
             self.tokenizer,
             self.model_config.vocab_size,
             config.max_model_len,
-            self.plan,
+            self.retention,
             blocks,
-            config.block_size,
             config.max_num_batched_tokens,
         )
         self.sequences: dict[str, Sequence] = {}
@@ -195,12 +189,7 @@ class LLMEngine:
         graphs over it captured; returns the blocks per group."""
         config = self.config
         blocks = split_kv_memory(
-            self.plan,
-            kv_bytes,
-            self.runner.bytes_per_token_per_layer(),
-            config.block_size,
-            config.expected_input_len,
-            config.expected_output_len,
+            self.retention, kv_bytes, config.expected_input_len, config.expected_output_len
         )
         self.runner.allocate_kv_cache(blocks)
         self.runner.capture_decode_graphs()

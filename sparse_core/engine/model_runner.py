@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_core.cache.block_manager import BlockManager, cdiv
+from sparse_core.cache.block_manager import BlockManager
+from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -29,7 +30,6 @@ from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
-from sparse_core.kernels.fp8 import FP8_DTYPE
 from sparse_core.models.attention import (
     ChunkContext,
     CompressJobs,
@@ -43,7 +43,7 @@ from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
 from sparse_core.models.quantization import check_fp8_device, quantize_linear_layers
-from sparse_core.policy import LayerPlan, PromptBatch
+from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 
 if TYPE_CHECKING:
     from sparse_core.distributed.driver import TensorParallelWorkers
@@ -132,11 +132,9 @@ class ModelRunner:
         config: EngineConfig,
         sparsity: SparsityConfig,
         source: ModelSource,
-        plan: LayerPlan,
         workers: TensorParallelWorkers | None = None,
     ) -> None:
         self.config = config
-        self.plan = plan
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.device = rank_device(resolve_device(config.device), get_tp_rank(), get_tp_size())
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -151,13 +149,15 @@ class ModelRunner:
             check_fp8_device(self.device, "quantization='fp8'")
         if config.fp8_kv_cache:
             check_fp8_device(self.device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
-        self.kv_dtype = FP8_DTYPE if config.fp8_kv_cache else self.dtype
+        self.retention = KVRetention.build(model_config, config, sparsity, self.dtype)
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
         # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
         ops = get_ops(self.device)
         with torch.device(self.device), _default_dtype(self.dtype):
-            self.model = LlamaForCausalLM(model_config, plan, sparsity, ops, config.max_model_len)
+            self.model = LlamaForCausalLM(
+                model_config, self.retention.plan, ops, config.max_model_len
+            )
         if source.weights is not None:
             self.model.load_weights(source.weights)
         else:
@@ -168,19 +168,15 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
-        self.random_policy_generator = torch.Generator().manual_seed(sparsity.seed)
-        for attn in self.model.attention_layers:
-            attn.generator = self.random_policy_generator
+        # The rank's selection policy, and one for the start-up profile, whose draws then leave
+        # the random policy's stream where serving starts it.
+        self.selection = selection_policy(sparsity, ops, self.model.kv_heads)
+        self.profile_selection = selection_policy(sparsity, ops, self.model.kv_heads)
 
     @property
     def num_kv_heads(self) -> int:
         """KV heads this rank caches (all of the model's without tensor parallelism)."""
         return self.model.attention_layers[0].num_kv_heads
-
-    def bytes_per_token_per_layer(self) -> int:
-        """KV bytes of one token in one layer on this rank (1/tp of the model's under TP), in
-        the cache's dtype."""
-        return 2 * self.num_kv_heads * self.model.config.head_dim * self.kv_dtype.itemsize
 
     def _on_workers(self, method: str, *args) -> None:
         """Rank 0: have every other rank run the same method (their collectives must match)."""
@@ -191,7 +187,7 @@ class ModelRunner:
         self._on_workers("allocate_kv_cache", blocks_per_group)
         cfg = self.model.config
         attns = self.model.attention_layers
-        for group, num_blocks in zip(self.plan.groups, blocks_per_group, strict=True):
+        for group, num_blocks in zip(self.retention.plan.groups, blocks_per_group, strict=True):
             shape = (
                 2,
                 len(group.layers),
@@ -200,7 +196,7 @@ class ModelRunner:
                 self.num_kv_heads,
                 cfg.head_dim,
             )
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            cache = torch.zeros(shape, dtype=self.retention.kv_dtype, device=self.device)
             for i, layer in enumerate(group.layers):
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
@@ -254,9 +250,10 @@ class ModelRunner:
         self._on_workers("execute", batch)
         if batch.prefill is None and self.decode_graphs is not None:
             return self.decode_graphs.run(batch.decode)
-        return self._forward(batch)
+        return self._forward(batch, self.selection)
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
+    def _forward(self, batch: StepBatch, selection: SelectionPolicy | None) -> torch.Tensor:
+        """`selection`: the policy that chooses the tokens compressing groups keep."""
         input_ids: list[int] = []
         positions: list[int] = []
         rows: list[int] = []
@@ -265,7 +262,7 @@ class ModelRunner:
             input_ids += batch.prefill.input_ids
             positions += batch.prefill.positions
             rows += [end - 1 for end in batch.prefill.cu_seqlens[1:]]
-            prefill = self._prefill_metadata(batch.prefill)
+            prefill = self._prefill_metadata(batch.prefill, selection)
         if batch.decode is not None:
             rows += range(len(positions), len(positions) + len(batch.decode.positions))
             positions += batch.decode.positions
@@ -306,7 +303,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         cu_seqlens = [0]
-        num_groups = len(self.plan.groups)
+        num_groups = len(self.retention.groups)
         slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
@@ -322,18 +319,17 @@ class ModelRunner:
             cached.cu_seqlens_k.append(k_start + end)
             cached.cached_rows += range(k_start, k_start + first)
             cached.new_rows += range(k_start + first, k_start + end)
-            for g, group in enumerate(self.plan.groups):
+            for g, group in enumerate(self.retention.groups):
                 if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
                     slots = self._slots(seq, g, end)
                     slot_mappings[g] += slots[first:]
                     cached.cached_slots[g] += slots[:first]
                 else:
                     slot_mappings[g] += [-1] * (end - first)
-                kept = group.kept_tokens(n)
-                if end == n and kept < n:
+                if end == n and group.compresses(n):
                     compress_bounds[g].append((k_start, k_start + n))
                     compress_query_ends[g].append(len(input_ids))
-                    compress_slots[g] += self._slots(seq, g, kept)
+                    compress_slots[g] += self._slots(seq, g, group.tokens_after_prefill(n))
         return PrefillBatch(
             input_ids,
             positions,
@@ -346,7 +342,9 @@ class ModelRunner:
             cached if cached.cached_rows else None,
         )
 
-    def _prefill_metadata(self, batch: PrefillBatch) -> PrefillMetadata:
+    def _prefill_metadata(
+        self, batch: PrefillBatch, selection: SelectionPolicy | None
+    ) -> PrefillMetadata:
         cached = batch.cached
         groups = [
             PrefillGroupMetadata(
@@ -381,6 +379,7 @@ class ModelRunner:
             max_seqlen=batch.max_seqlen,
             groups=groups,
             context=context,
+            selection=selection,
         )
 
     def _prepare_decode(
@@ -389,7 +388,7 @@ class ModelRunner:
         block_manager: BlockManager,
         input_ids: torch.Tensor | None = None,
     ) -> DecodeBatch:
-        num_groups = len(self.plan.groups)
+        num_groups = len(self.retention.groups)
         return DecodeBatch(
             input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
             positions=[seq.num_computed_tokens for seq in seqs],
@@ -433,7 +432,7 @@ class ModelRunner:
         cfg, config = self.model.config, self.config
         placeholder = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, cfg.head_dim),
-            dtype=self.kv_dtype,
+            dtype=self.retention.kv_dtype,
             device=self.device,
         )
         for attn in self.model.attention_layers:
@@ -445,7 +444,7 @@ class ModelRunner:
         cu_seqlens = [0]
         for n in lens:
             cu_seqlens.append(cu_seqlens[-1] + n)
-        num_groups, rows = len(self.plan.groups), config.max_num_seqs
+        num_groups, rows = len(self.retention.groups), config.max_num_seqs
         # With chunked prefill and steps shorter than a prompt, the largest step is the last
         # chunk of a longest prompt: its attention and scoring read every token, the cached
         # ones gathered from the cache (here all from slot 0 of the placeholder).
@@ -462,14 +461,13 @@ class ModelRunner:
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
-        for g, group in enumerate(self.plan.groups):
+        for g, group in enumerate(self.retention.groups):
             for start, end in itertools.pairwise(cu_seqlens):
                 num_keys = context + end - start  # context: only with a single prompt
-                kept = group.kept_tokens(num_keys)
-                if kept < num_keys:
+                if group.compresses(num_keys):
                     compress_bounds[g].append((start, start + num_keys))
                     compress_query_ends[g].append(end)
-                    compress_slots[g] += [-1] * kept
+                    compress_slots[g] += [-1] * group.tokens_after_prefill(num_keys)
         prefill = PrefillBatch(
             input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
             positions=[context + p for n in lens for p in range(n)],
@@ -488,14 +486,11 @@ class ModelRunner:
             block_tables=[torch.zeros((rows, 1), dtype=torch.int32) for _ in range(num_groups)],
             context_lens=[[1] * rows for _ in range(num_groups)],
         )
-        # The `random` policy's draws after start-up do not depend on this step.
-        random_state = self.random_policy_generator.get_state()
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._forward(StepBatch(prefill, decode))
+        self._forward(StepBatch(prefill, decode), self.profile_selection)
         torch.cuda.synchronize(self.device)
-        self.random_policy_generator.set_state(random_state)
         return torch.cuda.max_memory_allocated(self.device) - before
 
     def _uses_graphs(self) -> bool:
@@ -536,7 +531,7 @@ class ModelRunner:
         self._on_workers("capture_decode_graphs")
         self.decode_graphs = DecodeGraphs(
             self.model,
-            len(self.plan.groups),
+            len(self.retention.groups),
             self.config.max_num_seqs,
             cdiv(self.config.max_model_len, self.block_size),
             self.config.max_model_len,

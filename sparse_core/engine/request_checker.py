@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from sparse_core.cache.block_manager import cdiv
+from sparse_core.cache.retention import KVRetention
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.sequence import Sequence
 from sparse_core.models.tokenizer import Tokenizer
-from sparse_core.policy import LayerPlan
 
 
 @dataclass
@@ -18,9 +17,8 @@ class RequestChecker:
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
-    plan: LayerPlan
+    retention: KVRetention
     blocks_per_group: list[int]
-    block_size: int
     max_num_batched_tokens: int
 
     def make_sequence(
@@ -52,7 +50,7 @@ class RequestChecker:
             )
         if params.min_tokens:  # the sampler bans EOS until then
             params = dataclasses.replace(params, eos_token_ids=self.tokenizer.eos_token_ids)
-        seq = Sequence(request_id, token_ids, params, len(self.plan.groups), prompt=text)
+        seq = Sequence(request_id, token_ids, params, len(self.retention.groups), prompt=text)
         reason = self.why_never_fits(seq)
         if reason is not None:
             raise ValueError(reason)
@@ -67,15 +65,14 @@ class RequestChecker:
         longest_prefill = prefill
         if seq.params.compress_prefix_len is None:
             longest_prefill = min(len(seq) + seq.params.max_tokens, self.max_model_len) - 1
-        for group, num_blocks in zip(self.plan.groups, self.blocks_per_group, strict=True):
-            peak = group.kept_tokens(prefill) + len(seq) - prefill + seq.params.max_tokens
-            if longest_prefill > self.max_num_batched_tokens:
-                peak = max(peak, longest_prefill)
-            need = cdiv(peak, self.block_size)
+        chunked = longest_prefill if longest_prefill > self.max_num_batched_tokens else 0
+        later = len(seq) - prefill + seq.params.max_tokens
+        for group, num_blocks in zip(self.retention.groups, self.blocks_per_group, strict=True):
+            need = group.blocks(group.peak_tokens(prefill, later, chunked))
             if need > num_blocks:
                 return (
                     f"the prompt plus max_tokens needs {need} KV blocks in layer group "
-                    f"{group.name!r}, whose pool has {num_blocks}; shorten the request or "
+                    f"{group.group.name!r}, whose pool has {num_blocks}; shorten the request or "
                     f"raise kv_cache_memory_gb"
                 )
         return None

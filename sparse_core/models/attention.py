@@ -7,11 +7,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps
 from sparse_core.kernels.fp8 import UNIT_SCALES, KVScales
 from sparse_core.models.rotary import RotaryEmbedding
-from sparse_core.policy import PromptBatch, select_kept_tokens
+from sparse_core.selection import PromptBatch, SelectionPolicy
 
 
 @dataclass
@@ -97,6 +96,9 @@ class PrefillMetadata:
     max_seqlen: int  # most tokens of one prompt in the step, known on the host
     groups: list[PrefillGroupMetadata]
     context: ChunkContext | None = None  # when the step continues chunked prompts
+    # Chooses the kept tokens where a group compresses: the rank's policy (the start-up
+    # profile runs one of its own); None where nothing is selected (dense).
+    selection: SelectionPolicy | None = None
 
 
 @dataclass
@@ -123,14 +125,12 @@ class PagedAttention(nn.Module):
         head_dim: int,
         group: int,
         budget: int | None,
-        sparsity: SparsityConfig,
         ops: KernelOps,
         rotary: RotaryEmbedding,
-        kv_heads: tuple[int, int] | None = None,
     ) -> None:
-        """num_heads / num_kv_heads: this rank's heads; rotary: the model's RoPE tables, applied
-        to q and k as they are stored; kv_heads: (first, total) of its KV heads among the
-        model's, under tensor parallelism."""
+        """num_heads / num_kv_heads: this rank's heads; group: the layer's layer group, which
+        keeps `budget` tokens of a prompt (None: all); rotary: the model's RoPE tables, applied
+        to q and k as they are stored."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -138,14 +138,11 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.group = group
         self.budget = budget
-        self.sparsity = sparsity
         self.ops = ops
         self.rotary = rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.kv_scales: KVScales = UNIT_SCALES  # an FP8 cache's; 1.0 for a bf16 one
-        self.generator: torch.Generator | None = None  # the `random` policy's draws
-        self.kv_heads = kv_heads
 
     def forward(
         self,
@@ -213,17 +210,9 @@ class PagedAttention(nn.Module):
             out=out,
         )  # fmt: skip
         if group.compress:
-            kept_rows = select_kept_tokens(
-                self.sparsity,
-                self.budget,
-                q,
-                k,
-                lse,
-                group.compress.prompts,
-                self.scale,
-                ops,
-                self.generator,
-                self.kv_heads,
+            assert meta.selection is not None and self.budget is not None
+            kept_rows = meta.selection.select(
+                q, k, lse, group.compress.prompts, self.budget, self.scale
             )
             ops.store_selected_kv(
                 k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots,

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import nn
 
-from sparse_core.config import SparsityConfig
 from sparse_core.distributed.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -158,7 +157,6 @@ class LlamaForCausalLM(nn.Module):
         self,
         config: ModelConfig,
         plan: LayerPlan,
-        sparsity: SparsityConfig,
         ops: KernelOps,
         max_positions: int,
     ) -> None:
@@ -166,18 +164,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         tp_size = get_tp_size()
         local_kv = config.num_key_value_heads // tp_size
+        # This rank's KV heads among the model's: (first, total).
+        self.kv_heads = (get_tp_rank() * local_kv, config.num_key_value_heads)
         rotary = RotaryEmbedding(config, max_positions)
         attns = [
             PagedAttention(
                 config.num_attention_heads // tp_size,
-                config.num_key_value_heads // tp_size,
+                local_kv,
                 config.head_dim,
                 group=plan.layer_to_group[i],
                 budget=plan.groups[plan.layer_to_group[i]].budget,
-                sparsity=sparsity,
                 ops=ops,
                 rotary=rotary,
-                kv_heads=(get_tp_rank() * local_kv, config.num_key_value_heads),
             )
             for i in range(config.num_hidden_layers)
         ]

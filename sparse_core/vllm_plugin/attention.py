@@ -1,8 +1,9 @@
 """The attention backend vLLM runs every layer through while the plugin is active.
 
 Full groups attend to everything; in sparse groups the step that completes a prompt scores the
-prompt from its observation window, keeps `budget` tokens per KV head (our policies) and stores
-only those, compacted into positions [0, budget). The kernels are the engine's: plain torch on
+prompt from its observation window, keeps `budget` tokens per KV head (the engine's selection
+policy, sparse_core/selection.py, one per worker process) and stores only those, compacted into
+positions [0, budget). The kernels are the engine's: plain torch on
 CPU; on CUDA the Triton prefill (which returns LSE) and window scores, with torch stores and
 decode, because vLLM's cache views are strided differently from the engine's pools.
 """
@@ -18,7 +19,7 @@ from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps, get_ops, reference
-from sparse_core.policy import PromptBatch, select_kept_tokens
+from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 from sparse_core.vllm_plugin.metadata import KVSparseMetadata, KVSparseMetadataBuilder
 from sparse_core.vllm_plugin.settings import current_settings
 
@@ -64,6 +65,18 @@ def plugin_ops(device: torch.device) -> KernelOps:
     )
 
 
+# One selection policy per worker process (a vLLM worker is one rank) and sparsity settings,
+# shared by its layers: the random policy then draws one stream across them, as in the engine.
+_policies: dict[tuple[str, torch.device], SelectionPolicy | None] = {}
+
+
+def rank_policy(sparsity: SparsityConfig, device: torch.device) -> SelectionPolicy | None:
+    key = (repr(sparsity), device)
+    if key not in _policies:
+        _policies[key] = selection_policy(sparsity, plugin_ops(device))
+    return _policies[key]
+
+
 class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
     def __init__(
         self,
@@ -102,6 +115,7 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         settings = current_settings()
         self.sparsity = settings.sparsity if settings else SparsityConfig()
         self.ops: KernelOps | None = None
+        self.selection: SelectionPolicy | None = None
 
     def forward(
         self,
@@ -120,6 +134,7 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         m = attn_metadata
         if self.ops is None:
             self.ops = plugin_ops(query.device)
+            self.selection = rank_policy(self.sparsity, query.device)
         ops = self.ops
         n = m.num_actual_tokens
         q, k, v = query[:n], key[:n], value[:n]
@@ -133,10 +148,9 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
             )
             out[m.prefill_index] = prefill_out.to(out.dtype)
             if m.compress_bounds:
+                assert self.selection is not None and m.budget is not None
                 prompts = PromptBatch.from_bounds(m.compress_bounds, query.device)
-                kept = select_kept_tokens(
-                    self.sparsity, m.budget, qp, kp, lse, prompts, self.scale, ops
-                )
+                kept = self.selection.select(qp, kp, lse, prompts, m.budget, self.scale)
                 ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots)
         if len(m.decode_index):
             # Block size 1: the slot table addresses single token slots.

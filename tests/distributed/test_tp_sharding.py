@@ -56,7 +56,7 @@ def build_rank(config: ModelConfig, rank: int, size: int, monkeypatch) -> LlamaF
     """The model rank `rank` of `size` builds, with the full dummy checkpoint loaded."""
     monkeypatch.setattr(ps, "_STATE", ps.TensorParallelState(rank, size))
     plan = plan_layers(SparsityConfig(policy="dense"), config.num_hidden_layers, config.name)
-    model = LlamaForCausalLM(config, plan, SparsityConfig(), REFERENCE_OPS, 64)
+    model = LlamaForCausalLM(config, plan, REFERENCE_OPS, 64)
     model.load_weights(dummy_weights(config, 0, torch.device("cpu")))
     return model
 
@@ -67,7 +67,7 @@ def test_ranks_hold_whole_heads_and_their_slices_rebuild_the_model(monkeypatch):
     ranks = [build_rank(config, r, 2, monkeypatch) for r in range(2)]
     attn = ranks[0].model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert ranks[1].attention_layers[0].kv_heads == (1, 2)  # rank 1 holds KV head 1 of 2
+    assert ranks[1].kv_heads == (1, 2)  # rank 1 holds KV head 1 of 2
     d = config.head_dim
     for name in ("weight", "bias"):
         q, k, v = getattr(full.model.layers[1].self_attn.qkv_proj, name).split(
