@@ -6,8 +6,9 @@
    - window scoring in one pass from LSE vs materialising the window's softmax rows, n=4000, w=32;
    - compaction (gather kept tokens + write into pages) of one layer, n=4000, budget 512;
    - paged decode attention at batch 1..128 over 4500-token dense and 512-token compressed
-     contexts, as achieved GB/s (K+V bytes read / time) and as a fraction of the measured
-     device-copy bandwidth (the roofline), with and without split-K.
+     contexts, with a bf16 and an FP8 (e4m3) cache, as achieved GB/s (K+V bytes read / time)
+     and as a fraction of the measured device-copy bandwidth (the roofline), with and without
+     split-K.
 Kernel times are GPU time per call: the calls are captured in a CUDA graph and replayed (as the
 engine's decode step is), each on its own copy of the inputs until the copies exceed the L2
 cache, so launch overhead and L2 hits do not flatter small kernels. Needs only torch and triton.
@@ -30,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from sparse_core.config import CUDA_BLOCK_SIZE
 from sparse_core.kernels import reference as ref
 from sparse_core.kernels import triton_kernels as tk
+from sparse_core.kernels.fp8 import FP8_DTYPE
 
 NUM_Q, NUM_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 DTYPE = torch.bfloat16
@@ -53,12 +55,13 @@ def _packed(
     return q, k, v, cu.to(DEVICE)
 
 
-def _paged(context_lens: list[int]):
-    """K/V caches holding exactly these contexts in shuffled 16-token pages, and the table."""
+def _paged(context_lens: list[int], cache_dtype: torch.dtype = DTYPE):
+    """K/V caches of `cache_dtype` holding exactly these contexts in shuffled pages, and the
+    table."""
     pages = [math.ceil(n / BLOCK_SIZE) for n in context_lens]
     num_blocks = sum(pages)
-    k_cache = _randn(num_blocks, BLOCK_SIZE, NUM_KV, HEAD_DIM)
-    v_cache = _randn(num_blocks, BLOCK_SIZE, NUM_KV, HEAD_DIM)
+    k_cache = _randn(num_blocks, BLOCK_SIZE, NUM_KV, HEAD_DIM).to(cache_dtype)
+    v_cache = _randn(num_blocks, BLOCK_SIZE, NUM_KV, HEAD_DIM).to(cache_dtype)
     order = torch.randperm(num_blocks)
     table = torch.zeros(len(context_lens), max(pages), dtype=torch.int32)
     start = 0
@@ -147,6 +150,11 @@ def run_checks() -> list[dict[str, Any]]:
         got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
         want = ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
         record(f"paged_decode B={batch} ctx~{context} splits={splits}", _max_err(got, want), 2e-2)
+    k_cache, v_cache, table, lens_t = _paged([4500] * 64, FP8_DTYPE)
+    q = _randn(64, NUM_Q, HEAD_DIM)
+    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
+    want = ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
+    record("paged_decode fp8 cache B=64 ctx=4500", _max_err(got, want), 2e-2)
 
     budget = 512
     k, v = _randn(n, NUM_KV, HEAD_DIM), _randn(n, NUM_KV, HEAD_DIM)
@@ -268,10 +276,12 @@ def bench_scoring(n: int = 4000, window: int = 32, budget: int = 512) -> dict[st
     }
 
 
-def bench_decode(batch: int, context: int, copy_gbs: float) -> dict[str, Any]:
-    kv_bytes = 2 * batch * context * NUM_KV * HEAD_DIM * torch.finfo(DTYPE).bits // 8
+def bench_decode(
+    batch: int, context: int, copy_gbs: float, cache_dtype: torch.dtype = DTYPE
+) -> dict[str, Any]:
+    kv_bytes = 2 * batch * context * NUM_KV * HEAD_DIM * cache_dtype.itemsize
     # One cache per "layer", as a decode step walks the layers; together they exceed L2.
-    layers = [_paged([context] * batch) for _ in range(_num_copies(kv_bytes))]
+    layers = [_paged([context] * batch, cache_dtype) for _ in range(_num_copies(kv_bytes))]
     q = _randn(batch, NUM_Q, HEAD_DIM)
     splits = tk.decode_num_splits(batch, NUM_KV, context, q.device)
 
@@ -290,6 +300,7 @@ def bench_decode(batch: int, context: int, copy_gbs: float) -> dict[str, Any]:
     ms_no_split = run(1) if splits > 1 else ms
     gbs = kv_bytes / ms / 1e6
     return {
+        "cache": "fp8" if cache_dtype == FP8_DTYPE else "bf16",
         "batch": batch,
         "context": context,
         "splits": splits,
@@ -316,7 +327,12 @@ def main() -> None:
     copy_gbs = copy_bandwidth_gbs()
     prefill = bench_prefill()
     scoring = bench_scoring()
-    decode = [bench_decode(b, c, copy_gbs) for c in (4500, 512) for b in (1, 8, 32, 64, 128)]
+    decode = [
+        bench_decode(b, c, copy_gbs, dtype)
+        for dtype in (DTYPE, FP8_DTYPE)
+        for c in (4500, 512)
+        for b in (1, 8, 32, 64, 128)
+    ]
 
     print(f"\ndevice copy bandwidth: {copy_gbs:.0f} GB/s")
     print(
@@ -329,14 +345,16 @@ def main() -> None:
         f"({scoring['one_pass_pct_of_prefill_attention']:.1f}% of prefill attention) | "
         f"softmax rows {scoring['softmax_rows_ms']:.3f} ms | compaction {scoring['compaction_ms']:.3f} ms"
     )
-    print("\npaged decode (32q/8kv heads, d128, bf16, 16-token pages)")
+    print(f"\npaged decode (32q/8kv heads, d128, bf16 queries, {BLOCK_SIZE}-token pages)")
     print(
-        f"{'batch':>6} {'ctx':>6} {'splits':>6} {'µs':>8} {'unsplit µs':>10} {'GB/s':>6} {'roofline':>8}"
+        f"{'cache':>5} {'batch':>6} {'ctx':>6} {'splits':>6} {'µs':>8} {'unsplit µs':>10} "
+        f"{'GB/s':>6} {'roofline':>8}"
     )
     for r in decode:
         print(
-            f"{r['batch']:>6} {r['context']:>6} {r['splits']:>6} {r['ms'] * 1e3:>8.1f} "
-            f"{r['ms_no_split'] * 1e3:>10.1f} {r['gb_per_s']:>6.0f} {r['roofline_frac']:>8.0%}"
+            f"{r['cache']:>5} {r['batch']:>6} {r['context']:>6} {r['splits']:>6} "
+            f"{r['ms'] * 1e3:>8.1f} {r['ms_no_split'] * 1e3:>10.1f} {r['gb_per_s']:>6.0f} "
+            f"{r['roofline_frac']:>8.0%}"
         )
     failed = [c["check"] for c in checks if not c["pass"]]
     if checks:

@@ -35,7 +35,7 @@ from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from sparse_core.kernels import reference
-from sparse_core.kernels.fp8 import FP8_MAX, UNIT_SCALES, KVScales
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.kernels.launcher import launch
 
 if triton.knobs.runtime.interpret:
@@ -667,6 +667,11 @@ def _paged_decode_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptrs, mask=g_ok[:, None], other=0.0)
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv:
+        # Every e4m3 value is exact in fp16, and bf16 queries round to fp16 within attention's
+        # range: the dots run in fp16, whose widening from e4m3 is one instruction per pair
+        # (to bf16 it is several, and that, not the bytes, bounded the kernel).
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -693,7 +698,7 @@ def _paged_decode_kernel(
             v_rows = page * stride_vb + offset * stride_vt + kv_head * stride_vh
             k_ptrs = k_cache_ptr + k_rows[:, None] + dims[None, :]
             v_ptrs = v_cache_ptr + v_rows[:, None] + dims[None, :]
-        # An FP8 cache is widened to the queries' dtype: its K scale is in scale_log2.
+        # An FP8 cache is widened to the dots' dtype: its K scale is in scale_log2.
         k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
@@ -777,16 +782,18 @@ def decode_num_splits(
     return min(wanted, useful, _MAX_SPLITS)
 
 
-def _decode_tiles(q: torch.Tensor) -> tuple[int, int, int]:
+def _decode_tiles(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N keys per tile, num_warps, num_stages) for the decode kernel.
 
     Long tiles keep many bytes in flight per program, which is what a bandwidth-bound kernel
     needs: 128 keys x 128 dims beat 64 keys unsplit and read long contexts near copy bandwidth
-    (docs/benchmarks.md). Halved at D=256 to stay within shared memory.
+    (docs/benchmarks.md). Halved at D=256 to stay within shared memory. An FP8 cache's tiles
+    are halved too: its widening, not its bytes, bounds it, and shorter tiles overlap it better.
     """
     if not q.is_cuda:
         return 16, 4, 1
-    return (128 if q.shape[-1] <= 128 else 64), 4, 2
+    block_n = 128 if q.shape[-1] <= 128 else 64
+    return (block_n // 2 if cache_dtype == FP8_DTYPE else block_n), 4, 2
 
 
 class NewKeys(NamedTuple):
@@ -892,7 +899,7 @@ def _paged_decode(
         max_context_len = int(context_lens.max())
     if num_splits is None:
         num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
-    block_n, num_warps, num_stages = _decode_tiles(q)
+    block_n, num_warps, num_stages = _decode_tiles(q, k_cache.dtype)
     split = num_splits > 1
     if new is not None and split:
         rotate_and_store_kv(
