@@ -787,13 +787,16 @@ def _decode_tiles(q: torch.Tensor, cache_dtype: torch.dtype) -> tuple[int, int, 
 
     Long tiles keep many bytes in flight per program, which is what a bandwidth-bound kernel
     needs: 128 keys x 128 dims beat 64 keys unsplit and read long contexts near copy bandwidth
-    (docs/benchmarks.md). Halved at D=256 to stay within shared memory. An FP8 cache's tiles
-    are halved too: its widening, not its bytes, bounds it, and shorter tiles overlap it better.
+    (docs/benchmarks.md). Halved at D=256 to stay within shared memory. An FP8 cache is bound
+    by its widening more than by its bytes: half the keys per tile and two warps per program,
+    so that more programs share each SM and hide each other's latency.
     """
     if not q.is_cuda:
         return 16, 4, 1
     block_n = 128 if q.shape[-1] <= 128 else 64
-    return (block_n // 2 if cache_dtype == FP8_DTYPE else block_n), 4, 2
+    if cache_dtype == FP8_DTYPE:
+        return block_n // 2, 2, 2
+    return block_n, 4, 2
 
 
 class NewKeys(NamedTuple):
