@@ -87,7 +87,7 @@ def parse_quantization_config(
     status = config.get("quantization_status", "compressed")
     if status != "compressed":
         problems.append(f"quantization_status {status!r} (supported: 'compressed')")
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme", "moe_sparsity_config"):
         if config.get(key):
             problems.append(f"{key} {config[key]!r} (supported: none)")
     groups = config.get("config_groups") or {}
