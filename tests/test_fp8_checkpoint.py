@@ -171,6 +171,13 @@ def _preset_config(preset: str, fmt: str) -> dict:
     return {"quant_method": "compressed-tensors", **config.model_dump(exclude=["quant_method"])}
 
 
+def _write_config(directory: Path, quantization_config: dict) -> None:
+    """A config.json (the tiny dummy shape) declaring `quantization_config`, and no weights."""
+    config = {"model_type": "llama", **vars(DUMMY_PRESETS["tiny"])}
+    config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+
+
 @pytest.mark.parametrize(
     ("quantization_config", "named"),
     [
@@ -183,22 +190,19 @@ def _preset_config(preset: str, fmt: str) -> dict:
     ],
     ids=["int4-weight-only", "int8", "fp8-static-per-tensor", "fp8-block", "hf-fp8", "gptq"],
 )  # fmt: skip
-def test_other_schemes_are_refused_at_start_up_by_name(
-    checkpoints, tmp_path, quantization_config, named
-):
-    config = json.loads((checkpoints[1] / "config.json").read_text())
-    config["quantization_config"] = quantization_config()
-    (tmp_path / "config.json").write_text(json.dumps(config))  # refused before any weight
+def test_other_schemes_are_refused_at_start_up_by_name(tmp_path, quantization_config, named):
+    _write_config(tmp_path, quantization_config())  # refused before any weight is read
     with pytest.raises(ValueError, match=named):
         LLM(model=str(tmp_path), **ENGINE)
 
 
-def test_kv_cache_scales_and_static_activations_are_refused(checkpoints):
+def test_kv_cache_scales_and_static_activations_are_refused():
     from sparse_core.models.prequantized import parse_quantization_config
 
-    config = json.loads((checkpoints[1] / "config.json").read_text())["quantization_config"]
+    config = _preset_config("FP8_DYNAMIC", "float-quantized")
+    assert parse_quantization_config(config, "ckpt").describe() == "compressed-tensors FP8-Dynamic"
     config["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
-    config["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    config["config_groups"]["FP8_DYNAMIC"]["input_activations"]["dynamic"] = False
     with pytest.raises(ValueError, match=r"kv_cache_scheme.*input_activations: dynamic False"):
         parse_quantization_config(config, "ckpt")
 
@@ -252,3 +256,33 @@ def test_a_fused_projection_half_quantized_is_refused(monkeypatch):
     del weights["model.layers.0.self_attn.k_proj.weight_scale"]
     with pytest.raises(ValueError, match=r"qkv_proj fuses projections .* partly in FP8"):
         _rank(config, weights, 0, 1, monkeypatch)
+
+
+def test_the_server_takes_and_reports_the_checkpoint_quantization(tmp_path):
+    """From config.json alone, before any engine loads: `kvsparse serve`, a Ray Serve config,
+    and /v1/models."""
+    from fastapi.testclient import TestClient
+
+    from service.app import build_app
+    from service.cli import build_parser
+    from service.ray_app import RayAppConfig
+    from service.serve import serving_configs
+    from service.settings import PoolSpec, ServerSettings
+    from sparse_core.models.prequantized import describe_checkpoint_quantization
+
+    _write_config(tmp_path, _preset_config("FP8_DYNAMIC", "float-quantized"))
+    engine, sparsity = serving_configs(
+        build_parser().parse_args(["serve", "--model", str(tmp_path)])
+    )
+    assert engine.quantization == "fp8"
+    assert RayAppConfig(model=str(tmp_path)).engine_config().quantization == "fp8"
+    settings = ServerSettings(
+        served_model_name="m",
+        max_model_len=256,
+        pools=[PoolSpec.of(sparsity)],
+        quantization=engine.quantization,
+        checkpoint_quantization=describe_checkpoint_quantization(engine.model),
+    )
+    card = TestClient(build_app(None, settings)).get("/v1/models").json()["data"][0]
+    assert card["kvsparse"]["quantization"] == "fp8"
+    assert card["kvsparse"]["checkpoint_quantization"] == "compressed-tensors FP8-Dynamic"
