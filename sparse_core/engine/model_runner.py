@@ -166,9 +166,11 @@ class ModelRunner:
             self.model.load_weights(source.weights)
         else:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
-        # A pre-quantized checkpoint's projections became FP8 as they loaded.
         if config.quantization == "fp8" and prequantized is None:
             quantize_linear_layers(self.model)
+        elif prequantized is not None and self.device.type == "cuda":
+            # Its projections became FP8 as they loaded: the bf16 ones built first go back.
+            torch.cuda.empty_cache()
         self.model.eval()
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
