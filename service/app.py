@@ -260,6 +260,7 @@ def build_app(
         "kvsparse": {
             "pools": [p.describe() for p in settings.pools],
             "quantization": settings.quantization,
+            "checkpoint_quantization": settings.checkpoint_quantization,
             "kv_cache_dtype": settings.kv_cache_dtype,
         },
     }

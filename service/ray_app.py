@@ -112,10 +112,16 @@ class RayAppConfig:
         """The engine's configuration, with a server's defaults where `engine` leaves a field
         unset (service.settings.apply_serving_defaults)."""
         from sparse_core.config import EngineConfig
+        from sparse_core.models.prequantized import (
+            read_checkpoint_quantization,
+            resolve_quantization,
+        )
 
         engine_args = {**self.engine, "model": self.model}
         apply_serving_defaults(engine_args)
-        return EngineConfig(**engine_args)
+        engine = EngineConfig(**engine_args)
+        # A pre-quantized checkpoint's quantization (when this host can read its config.json).
+        return resolve_quantization(engine, read_checkpoint_quantization(self.model))
 
     def ingress_max_inflight(self, engine: EngineConfig, num_pools: int) -> int:
         """Requests one ingress replica holds at once (running, queued, streaming)."""
@@ -320,6 +326,7 @@ def ingress_options(cfg: RayAppConfig, max_inflight: int) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
     from sparse_core.config import SparsityConfig
+    from sparse_core.models.prequantized import describe_checkpoint_quantization
 
     cfg = RayAppConfig.from_dict(dict(args))
     engine = cfg.engine_config()
@@ -339,6 +346,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_model_len=engine.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         quantization=engine.quantization,
+        checkpoint_quantization=describe_checkpoint_quantization(engine.model),
         kv_cache_dtype=engine.kv_cache_dtype,
         api_key=cfg.api_key,
         max_inflight_requests=max_inflight,

@@ -153,14 +153,19 @@ def _is_loopback(host: str) -> bool:
 def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityConfig]:
     """The engine and sparsity configurations of `kvsparse serve ARGS`, with a server's defaults
     for the engine flags left unset."""
+    from sparse_core.models.prequantized import read_checkpoint_quantization, resolve_quantization
+
     apply_serving_defaults(vars(args))
-    return engine_cli.configs_from_args(args)
+    engine, sparsity = engine_cli.configs_from_args(args)
+    # A pre-quantized checkpoint's quantization, known (and reported) before the engines load.
+    return resolve_quantization(engine, read_checkpoint_quantization(engine.model)), sparsity
 
 
 def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
     from service.http_server import Server, ServerConfig
     from service.settings import PoolSpec, ServerSettings, parse_pools
     from service.standalone import build_standalone_app
+    from sparse_core.models.prequantized import describe_checkpoint_quantization
 
     pools = parse_pools(args.pools, sparsity)
     settings = ServerSettings(
@@ -168,6 +173,7 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         max_model_len=engine_config.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         quantization=engine_config.quantization,
+        checkpoint_quantization=describe_checkpoint_quantization(engine_config.model),
         kv_cache_dtype=engine_config.kv_cache_dtype,
         api_key=args.api_key,
         max_inflight_requests=args.max_inflight_requests

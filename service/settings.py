@@ -107,8 +107,10 @@ class ServerSettings:
     max_request_bytes: int = 4 * 2**20
     max_choices: int = 16  # prompts x n per request
     # What the engines compute and store in (EngineConfig.quantization / kv_cache_dtype),
-    # reported by /v1/models.
+    # reported by /v1/models, with the checkpoint's own quantization when it is pre-quantized
+    # (e.g. "compressed-tensors FP8-Dynamic": quantization "fp8" from its stored weights).
     quantization: str | None = None
+    checkpoint_quantization: str | None = None
     kv_cache_dtype: str = "auto"
     # A body not received whole within this is answered 408 (a client trickling it holds a
     # connection, and a shutdown, no longer).

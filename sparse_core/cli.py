@@ -68,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         choices=QUANTIZATIONS,
         help="fp8: linear layers' weights in FP8 e4m3 (per-channel scales, quantized at load), "
-        "activations per token (needs compute capability 8.9+, e.g. RTX 4090, H100)",
+        "activations per token (needs compute capability 8.9+, e.g. RTX 4090, H100); a "
+        "compressed-tensors FP8-Dynamic checkpoint sets it itself, loading its stored weights",
     )
     engine.add_argument(
         "--kv-cache-dtype",

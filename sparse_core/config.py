@@ -227,6 +227,8 @@ class EngineConfig:
       on the fly (vLLM's `--quantization fp8`); the embeddings and the LM head stay in `dtype`.
       Needs FP8 tensor cores on a GPU (compute capability 8.9+: Ada such as the RTX 4090,
       Hopper); on a CPU it runs through the float32 reference (sparse_core/kernels/fp8.py).
+      A pre-quantized compressed-tensors FP8-Dynamic checkpoint sets "fp8" when this is None
+      and its stored FP8 weights and scales are loaded as they are (models/prequantized.py).
     kv_cache_dtype: "auto" (the KV cache in `dtype`) or "fp8" / "fp8_e4m3" (vLLM's
       `--kv-cache-dtype fp8`): every layer group's pages hold e4m3, half the bytes of bf16, with
       one scale for K and one for V per layer (sparse_core/kernels/fp8.py, KVScales). Tokens are

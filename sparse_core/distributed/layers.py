@@ -59,6 +59,18 @@ class QuantizableLinear(nn.Linear):
         self.weight = nn.Parameter(weight_fp8, requires_grad=False)
         self.weight_scale = scale
 
+    def expect_fp8(self) -> None:
+        """Room for a pre-quantized checkpoint's FP8 weight and scales (the representation
+        `quantize_fp8` produces), which `load_full` then fills like any other tensor."""
+        if self.weight.dtype == FP8_DTYPE:
+            return
+        self.weight = nn.Parameter(
+            torch.empty_like(self.weight, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale = torch.empty(
+            self.weight.shape[0], 1, dtype=torch.float32, device=self.weight.device
+        )
+
     def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T, into `out` if given."""
         if self.weight.dtype == FP8_DTYPE:
@@ -90,7 +102,8 @@ class ColumnParallelLinear(QuantizableLinear):
         return y if self.bias is None else y + self.bias
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
-        """Copy this rank's rows of fused part `index` (weight or bias) from the full tensor."""
+        """Copy this rank's rows of fused part `index` (weight, FP8 weight scales or bias) from
+        the full tensor."""
         dst = param.split(self.output_sizes, dim=0)[index]
         copy_checked(dst, shard(full, 0, self.tp_rank, self.tp_size, name), name)
 
@@ -114,7 +127,7 @@ class RowParallelLinear(QuantizableLinear):
         return y if out is None else out.copy_(y)
 
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
-        if param is self.bias:
+        if param is self.bias or param is self.weight_scale:  # per output row: every rank's
             copy_checked(param, full, name)
         else:
             copy_checked(param, shard(full, 1, self.tp_rank, self.tp_size, name), name)

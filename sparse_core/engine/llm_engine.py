@@ -27,6 +27,7 @@ from sparse_core.engine.step_log import StepLog
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
+from sparse_core.models.prequantized import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +100,11 @@ class LLMEngine:
         """`model_source`: weights and tokenizer already loaded for `config.model` (its
         hf_overrides applied), so that many engines over one model read the files once."""
         config = config.on_device(resolve_device(config.device).type)
+        source = model_source or load_model_source(config.model, config.hf_overrides)
+        # A pre-quantized checkpoint's quantization, when `config` leaves it unset.
+        config = resolve_quantization(config, source.config.checkpoint_quantization)
         self.config = config
         self.sparsity = sparsity
-        source = model_source or load_model_source(config.model, config.hf_overrides)
         self.model_config = source.config
         self.tokenizer = source.tokenizer
         self.workers: TensorParallelWorkers | None = None

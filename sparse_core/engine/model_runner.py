@@ -145,8 +145,12 @@ class ModelRunner:
                 f"max_model_len ({config.max_model_len}) exceeds the model's "
                 f"max_position_embeddings ({model_config.max_position_embeddings})"
             )
+        prequantized = model_config.checkpoint_quantization
         if config.quantization == "fp8":
-            check_fp8_device(self.device, "quantization='fp8'")
+            setting = "quantization='fp8'"
+            if prequantized is not None:
+                setting = f"the {prequantized.describe()} checkpoint ({setting})"
+            check_fp8_device(self.device, setting)
         if config.fp8_kv_cache:
             check_fp8_device(self.device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
         self.retention = KVRetention.build(model_config, config, sparsity, self.dtype)
@@ -162,8 +166,11 @@ class ModelRunner:
             self.model.load_weights(source.weights)
         else:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
-        if config.quantization == "fp8":
+        if config.quantization == "fp8" and prequantized is None:
             quantize_linear_layers(self.model)
+        elif prequantized is not None and self.device.type == "cuda":
+            # Its projections became FP8 as they loaded: the bf16 ones built first go back.
+            torch.cuda.empty_cache()
         self.model.eval()
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None

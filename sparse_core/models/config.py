@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparse_core.models.prequantized import CheckpointQuantization
+
 
 @dataclass
 class ModelConfig:
@@ -26,6 +28,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
+    # The checkpoint's own quantization (config.json's quantization_config; models/prequantized.py):
+    # its linear weights are stored in FP8 with their scales. None: unquantized weights.
+    checkpoint_quantization: CheckpointQuantization | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:

@@ -17,12 +17,14 @@ from torch import nn
 from sparse_core.distributed.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    QuantizableLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_checked,
 )
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
 from sparse_core.kernels import KernelOps
+from sparse_core.kernels.fp8 import FP8_DTYPE
 from sparse_core.models.attention import PagedAttention, StepMetadata
 from sparse_core.models.config import ModelConfig
 from sparse_core.models.rotary import RotaryEmbedding
@@ -243,7 +245,9 @@ class LlamaForCausalLM(nn.Module):
         self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> None:
         """Copy Hugging Face-named full tensors in, fusing q/k/v and gate/up and keeping this
-        rank's part of sharded layers; every parameter must be set."""
+        rank's part of sharded layers; every parameter must be set. A pre-quantized checkpoint's
+        FP8 projections (an e4m3 `weight` and its `weight_scale`, one per output row) make their
+        layer FP8 as they load, the tensors copied as they are (QuantizableLinear.expect_fp8)."""
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         fused = {
@@ -256,6 +260,7 @@ class LlamaForCausalLM(nn.Module):
         unset = set(params)
         if self.config.tie_word_embeddings:
             unset.discard("lm_head.weight")
+        started: set[str] = set()  # layers that got a weight (part)
         items = weights.items() if isinstance(weights, Mapping) else weights
         for name, tensor in items:
             if "rotary_emb" in name:
@@ -264,12 +269,34 @@ class LlamaForCausalLM(nn.Module):
             for part, (fused_name, i) in fused.items():
                 if f".{part}." in name:
                     target, index = name.replace(part, fused_name), i
+            layer_name, _, kind = target.rpartition(".")
+            if tensor.dtype == FP8_DTYPE or kind == "weight_scale":
+                layer = modules.get(layer_name)
+                if not isinstance(layer, QuantizableLinear):
+                    raise ValueError(
+                        f"checkpoint tensor {name!r}: only the attention and MLP projections "
+                        "can be FP8 (a quantized checkpoint must list this layer in its "
+                        "quantization config's `ignore`)"
+                    )
+                if layer.weight.dtype != FP8_DTYPE:
+                    if layer_name in started:
+                        raise _mixed_fp8(name, layer_name)
+                    layer.expect_fp8()
+                    params[f"{layer_name}.weight"] = layer.weight
+                    params[f"{layer_name}.weight_scale"] = layer.weight_scale
+                    unset.add(f"{layer_name}.weight_scale")
+                if kind == "weight_scale":
+                    tensor = tensor.reshape(-1, 1)  # (out, 1) or (out,) in the checkpoint
+            elif kind == "weight" and params.get(target, tensor).dtype == FP8_DTYPE:
+                raise _mixed_fp8(name, layer_name)
+            if kind == "weight":
+                started.add(layer_name)
             if target not in params:
                 if target == "lm_head.weight" and self.config.tie_word_embeddings:
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
-            load_full = getattr(modules[target.rpartition(".")[0]], "load_full", None)
+            load_full = getattr(modules[layer_name], "load_full", None)
             with torch.no_grad():
                 if load_full is None:  # norms: replicated on every rank
                     copy_checked(param, tensor, name)
@@ -278,3 +305,11 @@ class LlamaForCausalLM(nn.Module):
             unset.discard(target)
         if unset:
             raise ValueError(f"checkpoint is missing weights for {sorted(unset)[:5]} ...")
+
+
+def _mixed_fp8(name: str, layer_name: str) -> ValueError:
+    return ValueError(
+        f"checkpoint tensor {name!r}: {layer_name} fuses projections that the checkpoint stores "
+        "partly in FP8 and partly unquantized (its quantization config's `ignore` splits them); "
+        "not supported"
+    )

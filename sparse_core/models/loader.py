@@ -19,7 +19,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from sparse_core.kernels.fp8 import FP8_DTYPE
 from sparse_core.models.config import DUMMY_PRESETS, ModelConfig
+from sparse_core.models.prequantized import parse_quantization_config
 from sparse_core.models.tokenizer import ByteTokenizer, Tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -226,6 +228,8 @@ def _load_hf_dir(path: Path) -> ModelSource:
             f"{path}: model_type {hf.get('model_type')!r} is not supported; supported: {HF_MODEL_TYPES}"
         )
     config = ModelConfig.from_hf_dict(hf, name=path.name)
+    quantization = parse_quantization_config(hf.get("quantization_config"), str(path))
+    config = dataclasses.replace(config, checkpoint_quantization=quantization)
     # Chat models often list extra stop ids (e.g. Llama 3's <|eot_id|>) only in generation_config.json.
     gen_path = path / "generation_config.json"
     if gen_path.is_file():
@@ -240,7 +244,29 @@ def _load_hf_dir(path: Path) -> ModelSource:
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         weights.update(load_file(shard))  # checkpoint dtype kept (bf16 for big models)
+    _check_fp8_tensors(path, weights, quantized=quantization is not None)
     tokenizer = Tokenizer.from_hf_dir(
         path, config.vocab_size, config.bos_token_id, config.eos_token_ids
     )
     return ModelSource(config, weights, tokenizer, str(path))
+
+
+def _check_fp8_tensors(path: Path, weights: dict[str, torch.Tensor], quantized: bool) -> None:
+    """FP8 tensors exactly when config.json says the checkpoint is quantized; a symmetric
+    scheme's zero points (all zero: older compressed-tensors versions wrote them) dropped."""
+    fp8 = [name for name, t in weights.items() if t.dtype == FP8_DTYPE]
+    if not quantized:
+        if fp8:
+            raise ValueError(
+                f"{path}: {len(fp8)} tensors are FP8 (e.g. {fp8[0]!r}) but config.json has no "
+                "quantization_config to say how to read them"
+            )
+        return
+    if not fp8:
+        raise ValueError(
+            f"{path}: config.json declares an FP8 quantization_config but no tensor is FP8"
+        )
+    for name in [n for n in weights if n.endswith(".weight_zero_point")]:
+        if weights[name].any():
+            raise ValueError(f"{path}: {name!r} is not zero: asymmetric weights are not supported")
+        del weights[name]
