@@ -7,6 +7,12 @@ import os
 import pytest
 import torch
 
+# Without CUDA, Triton kernels run in Triton's interpreter. It is read when a kernel module is
+# imported, so it is set before anything imports ours: a test importing the kernels late would
+# otherwise reload one module against helpers compiled for the GPU (tests/triton_setup.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from sparse_core import LLM, SparsityConfig
 from sparse_core.models.loader import builtin_model_path
 
