@@ -27,9 +27,10 @@ from sparse_core.engine.gpu_memory import (
     peak_process_gpu_bytes,
     process_gpu_bytes,
 )
-from sparse_core.engine.llm_engine import LLMEngine, StepRecord
+from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.engine.step_log import StepRecord
 
 
 @dataclass
