@@ -22,13 +22,13 @@ import torch
 from sparse_core.bench.workload import calibrated_shape, random_prompt, sparsity_for
 from sparse_core.cli import add_graph_args, add_step_size_args
 from sparse_core.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SparsityConfig
+from sparse_core.engine.device import use_one_host_thread
 from sparse_core.engine.gpu_memory import (
     gpu_memory_outside_torch,
     peak_process_gpu_bytes,
     process_gpu_bytes,
 )
 from sparse_core.engine.llm_engine import LLMEngine
-from sparse_core.engine.model_runner import use_one_host_thread
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.step_log import StepRecord
 

@@ -16,8 +16,9 @@ from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
+from sparse_core.engine.device import resolve_device
 from sparse_core.engine.gpu_memory import gpu_memory_outside_torch
-from sparse_core.engine.model_runner import ModelRunner, resolve_device
+from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
