@@ -41,7 +41,7 @@ class Default:
     shown: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Setting:
     """One field of EngineConfig or SparsityConfig as a flag and as a mapping key."""
 
@@ -92,7 +92,7 @@ class Setting:
     def help_text(self, default: Any, shown: str | None) -> str:
         """Help with the default the flag really has (or what a computed one comes to)."""
         if shown is None and default not in (None, {}, []):
-            shown = _flag_text(default)
+            shown = flag_text(default)
         return self.help if shown is None else f"{self.help} (default: {shown})"
 
 
@@ -113,7 +113,7 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "text", bool: "true or false"}[tp]
 
 
-def _flag_text(value: Any) -> str:
+def flag_text(value: Any) -> str:
     """A value as a flag takes it (also the shown default)."""
     if isinstance(value, bool):
         return "on" if value else "off"
