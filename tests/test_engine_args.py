@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,3 +186,13 @@ def test_the_flags_of_before_keep_their_names(command: list[str]) -> None:
     names = {name for action in config_actions(command) for name in action.option_strings}
     assert set(OLD_FLAGS) <= names
     assert generate(["-tp", "2"])[0].tensor_parallel_size == 2
+
+
+def test_the_serving_guide_lists_every_flag():
+    guide = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+    flags = {
+        line.split("|")[1].strip().split(",")[0]
+        for line in guide.read_text().splitlines()
+        if line.startswith("| `--")
+    }
+    assert {f"`{s.flag}`" for s in SETTINGS} <= flags
