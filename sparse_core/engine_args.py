@@ -19,7 +19,7 @@ import dataclasses
 import json
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
@@ -73,7 +73,7 @@ class Setting:
         """The field's value from its text: a flag's argument, or a string in a mapping."""
         value = _parse(text, self.members, self.optional)
         if value is _INVALID:
-            raise argparse.ArgumentTypeError(f"{self.flag}: {text!r} is not {self.describe()}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.describe()}")
         return value
 
     def value(self, raw: Any) -> Any:
@@ -239,7 +239,7 @@ def add_config_args(
         if setting.is_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = str if setting.choices else _named(setting.parse, setting)
+            kwargs["type"] = str if setting.choices else setting.parse
             kwargs["choices"] = setting.choices
             kwargs["metavar"] = METAVARS.get(setting.name)
         action = groups[setting.config].add_argument(
@@ -251,14 +251,6 @@ def add_config_args(
 
 def _cli_shown(setting: Setting) -> str | None:
     return CLI_FULL_LAYERS if setting.name == "full_layers" else setting.shown
-
-
-def _named(parse: Callable[[str], Any], setting: Setting) -> Callable[[str], Any]:
-    def value(text: str) -> Any:
-        return parse(text)
-
-    value.__name__ = setting.describe()  # argparse's "invalid ... value"
-    return value
 
 
 def config_values(args: argparse.Namespace, config: type) -> dict[str, Any]:
@@ -292,7 +284,7 @@ def parse_full_layers(text: str | None, model: str) -> int | list[int] | str:
     try:
         return BY_DEST["full_layers"].parse(text)
     except argparse.ArgumentTypeError as exc:
-        raise ValueError(str(exc)) from None
+        raise ValueError(f"--full-layers: {exc}") from None
 
 
 def config_from_mapping(config: type, values: Mapping[str, Any], where: str) -> Any:

@@ -103,7 +103,7 @@ def test_an_unknown_serve_config_field_is_refused_with_the_known_ones():
         RayAppConfig(engine={"max_seqs": 4}).engine_config()
     with pytest.raises(ValueError, match=r"unknown sparsity field\(s\) \['budgets'\]"):
         RayAppConfig(sparsity={"budgets": 4}).sparsity_config()
-    with pytest.raises(ValueError, match="budget: --budget: 'many' is not an integer"):
+    with pytest.raises(ValueError, match="budget: 'many' is not an integer"):
         RayAppConfig(sparsity={"budget": "many"}).sparsity_config()
 
 
