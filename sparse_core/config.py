@@ -40,6 +40,7 @@ def option(
 @dataclass
 class SparsityConfig:
     """Which tokens each layer keeps after prefill (docs/architecture.md, "The sparsity algorithm").
+    Each field's one-line description (`option`) is the help of its flag.
 
     policy:       dense | snapkv | pyramid | streamingllm | random
     budget:       tokens kept per KV head in a sparse layer (pyramid: the mean over sparse layers)
@@ -200,7 +201,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the sparsity policy.
+    """Everything the engine needs besides the sparsity policy. Each field's one-line
+    description (`option`) is the help of its flag (sparse_core/engine_args.py).
 
     block_size: tokens per KV cache page (block); None: CUDA_BLOCK_SIZE (128) on CUDA devices,
       DEFAULT_BLOCK_SIZE (16) elsewhere. Any size works; on CUDA a multiple of 128 keeps the

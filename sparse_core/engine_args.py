@@ -200,9 +200,7 @@ def _settings(config: type, taken: set[str]) -> list[Setting]:
 
 
 ENGINE_SETTINGS = tuple(_settings(EngineConfig, set()))
-SPARSITY_SETTINGS = tuple(
-    _settings(SparsityConfig, {s.name for s in ENGINE_SETTINGS}),
-)
+SPARSITY_SETTINGS = tuple(_settings(SparsityConfig, {s.name for s in ENGINE_SETTINGS}))
 SETTINGS = ENGINE_SETTINGS + SPARSITY_SETTINGS
 BY_DEST = {s.dest: s for s in SETTINGS}
 
