@@ -49,7 +49,7 @@ from service.settings import (
 from service.streams import every_n_tokens
 
 if TYPE_CHECKING:
-    from sparse_core.config import EngineConfig
+    from sparse_core.config import EngineConfig, SparsityConfig
 
 
 @dataclass
@@ -110,18 +110,29 @@ class RayAppConfig:
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration, with a server's defaults where `engine` leaves a field
-        unset (service.settings.apply_serving_defaults)."""
+        unset (service.settings.apply_serving_defaults). Any EngineConfig field but `model`
+        (an argument of its own); strings are read as their `kvsparse serve` flags are."""
         from sparse_core.config import EngineConfig
+        from sparse_core.engine_args import config_from_mapping
         from sparse_core.models.prequantized import (
             read_checkpoint_quantization,
             resolve_quantization,
         )
 
+        if "model" in self.engine:
+            raise ValueError("the model is the `model` argument, not an `engine` field")
         engine_args = {**self.engine, "model": self.model}
         apply_serving_defaults(engine_args)
-        engine = EngineConfig(**engine_args)
+        engine = config_from_mapping(EngineConfig, engine_args, "engine")
         # A pre-quantized checkpoint's quantization (when this host can read its config.json).
         return resolve_quantization(engine, read_checkpoint_quantization(self.model))
+
+    def sparsity_config(self) -> SparsityConfig:
+        """The base sparsity of the pools: any SparsityConfig field, read as `engine` is."""
+        from sparse_core.config import SparsityConfig
+        from sparse_core.engine_args import config_from_mapping
+
+        return config_from_mapping(SparsityConfig, self.sparsity, "sparsity")
 
     def ingress_max_inflight(self, engine: EngineConfig, num_pools: int) -> int:
         """Requests one ingress replica holds at once (running, queued, streaming)."""
@@ -325,12 +336,11 @@ def ingress_options(cfg: RayAppConfig, max_inflight: int) -> dict[str, Any]:
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """The Serve application (ingress + engine deployments) from `RayAppConfig` arguments."""
-    from sparse_core.config import SparsityConfig
     from sparse_core.models.prequantized import describe_checkpoint_quantization
 
     cfg = RayAppConfig.from_dict(dict(args))
     engine = cfg.engine_config()
-    pools = parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity))
+    pools = parse_pools(cfg.pools, cfg.sparsity_config())
     served_name = cfg.served_model_name or cfg.model
     options = engine_options(cfg, engine)
     engines = {}

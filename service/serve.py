@@ -18,16 +18,25 @@ from service.settings import (
     resolve_api_key,
 )
 from sparse_core import cli as engine_cli
+from sparse_core.engine_args import Default, add_config_args, configs_from_args
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig, SparsityConfig
 
 logger = logging.getLogger(__name__)
 
+# The engine flags' defaults for a server, which service.settings.apply_serving_defaults fills
+# in where the flags leave them unset (as it does for a Serve config).
+SERVE_DEFAULTS = {
+    **engine_cli.CLI_DEFAULTS,
+    "max_num_batched_tokens": Default(None, "max_model_len, one longest prompt per step"),
+    "space_admissions": Default(None, "on"),
+}
+
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as --model")
-    engine_cli.add_engine_args(parser)
+    add_config_args(parser, SERVE_DEFAULTS)
     server = parser.add_argument_group("server")
     server.add_argument(
         "--engine",
@@ -156,7 +165,7 @@ def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityCon
     from sparse_core.models.prequantized import read_checkpoint_quantization, resolve_quantization
 
     apply_serving_defaults(vars(args))
-    engine, sparsity = engine_cli.configs_from_args(args)
+    engine, sparsity = configs_from_args(args)
     # A pre-quantized checkpoint's quantization, known (and reported) before the engines load.
     return resolve_quantization(engine, read_checkpoint_quantization(engine.model)), sparsity
 

@@ -3,20 +3,44 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-POLICIES = ("dense", "snapkv", "pyramid", "streamingllm", "random")
-POOLINGS = ("avg", "max", "none")
-GQA_REDUCTIONS = ("mean", "max")
-QUANTIZATIONS = ("fp8",)
+Policy = Literal["dense", "snapkv", "pyramid", "streamingllm", "random"]
+Pooling = Literal["avg", "max", "none"]
+GQAReduction = Literal["mean", "max"]
+Quantization = Literal["fp8"]
 # vLLM's names: "auto" is the model's dtype; "fp8" and "fp8_e4m3" are the same e4m3 cache.
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+POOLINGS: tuple[str, ...] = get_args(Pooling)
+GQA_REDUCTIONS: tuple[str, ...] = get_args(GQAReduction)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    doc: str = "",
+    *,
+    shown: str | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A config field and its one-line description, the help of its flag in every command
+    (sparse_core/engine_args.py); `shown`: what a computed default (None) comes to, for the
+    help."""
+    metadata = {"help": doc} if shown is None else {"help": doc, "shown": shown}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class SparsityConfig:
     """Which tokens each layer keeps after prefill (docs/architecture.md, "The sparsity algorithm").
+    Each field's one-line description (`option`) is the help of its flag.
 
     policy:       dense | snapkv | pyramid | streamingllm | random
     budget:       tokens kept per KV head in a sparse layer (pyramid: the mean over sparse layers)
@@ -39,18 +63,29 @@ class SparsityConfig:
                   asks for (prompt token-layers / kept token-layers at expected_input_len)
     """
 
-    policy: str = "dense"
-    budget: int = 512
-    window: int = 32
-    sinks: int = 4
-    full_layers: int | list[int] | str | None = None
-    pooling: str = "avg"
-    kernel_size: int = 7
-    gqa_reduce: str = "mean"
-    pyramid_tiers: int = 4
-    seed: int = 0
-    layer_budgets: str | list[int | None] | None = None
-    target_compression: float | None = None
+    policy: Policy = option("dense", "which tokens the sparse layers keep")
+    budget: int = option(512, "tokens kept per KV head in a sparse layer (pyramid: the mean)")
+    window: int = option(32, "the last prompt tokens, which score the rest and are kept")
+    sinks: int = option(4, "the first prompt tokens, always kept (attention sinks)")
+    full_layers: int | list[int] | str | None = option(
+        None,
+        "layers kept whole: the first N, a comma-separated list of indices, or auto (the "
+        "model's calibrated set)",
+        shown="the first 3; none with layer budgets",
+    )
+    pooling: Pooling = option("avg", "smoothing of the scores over neighbouring tokens")
+    kernel_size: int = option(7, "width of the pooling (odd)")
+    gqa_reduce: GQAReduction = option("mean", "how query heads sharing a KV head combine scores")
+    pyramid_tiers: int = option(4, "pyramid: budgets quantised into this many tiers (KV pools)")
+    seed: int = option(0, "seed of the random policy")
+    layer_budgets: str | list[int | None] | None = option(
+        None,
+        "a budget per layer: auto (the model's calibrated profile for the target compression) "
+        "or a comma-separated list, none for a whole layer",
+    )
+    target_compression: float | None = option(
+        None, "with layer budgets auto: the effective compression over all layers, e.g. 4"
+    )
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -166,7 +201,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 @dataclass
 class EngineConfig:
-    """Everything the engine needs besides the sparsity policy.
+    """Everything the engine needs besides the sparsity policy. Each field's one-line
+    description (`option`) is the help of its flag (sparse_core/engine_args.py).
 
     block_size: tokens per KV cache page (block); None: CUDA_BLOCK_SIZE (128) on CUDA devices,
       DEFAULT_BLOCK_SIZE (16) elsewhere. Any size works; on CUDA a multiple of 128 keeps the
@@ -241,29 +277,74 @@ class EngineConfig:
       first launches. None: no log.
     """
 
-    model: str = "smollm2-135m-instruct"
-    max_num_seqs: int = 64
-    max_model_len: int = 8192
-    max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = False
-    space_admissions: bool = False
-    block_size: int | None = None
-    kv_cache_memory_gb: float | None = None
-    gpu_memory_utilization: float = 0.9
-    gpu_memory_limit_gb: float | None = None
-    expected_input_len: int = 4000
-    expected_output_len: int = 500
-    device: str | None = None
-    dtype: str | None = None
-    seed: int = 0
-    enforce_eager: bool = False
-    max_prefill_graph_tokens: int | None = None
-    async_scheduling: bool | None = None
-    tensor_parallel_size: int = 1
-    quantization: str | None = None
-    kv_cache_dtype: str = "auto"
-    step_log: str | None = None
-    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    model: str = option(
+        "smollm2-135m-instruct",
+        "built-in alias, Hugging Face directory, .gguf file or dummy:<preset>",
+    )
+    max_num_seqs: int = option(64, "sequences running at once")
+    max_model_len: int = option(8192, "prompt + output tokens of a sequence")
+    max_num_batched_tokens: int | None = option(
+        None,
+        "prompt tokens prefilled per step (at least max_model_len without chunked prefill)",
+        shown="the larger of max_model_len and 8192",
+    )
+    enable_chunked_prefill: bool = option(
+        False, "prefill a prompt that does not fit a step in chunks over several steps"
+    )
+    space_admissions: bool = option(
+        False,
+        "while sequences decode, follow a step that ended a prefill with one admitting no prompt",
+    )
+    block_size: int | None = option(
+        None, "tokens per KV cache page", shown="128 on CUDA, 16 elsewhere"
+    )
+    kv_cache_memory_gb: float | None = option(
+        None,
+        "KV cache in GiB, all layer groups",
+        shown="what the GPU has left under the memory settings; 2 on CPU",
+    )
+    gpu_memory_utilization: float = option(0.9, "fraction of the GPU's memory the engine may use")
+    gpu_memory_limit_gb: float | None = option(
+        None, "hard cap on the engine's GPU memory in GiB, e.g. 24 to emulate an RTX 4090"
+    )
+    expected_input_len: int = option(
+        4000, "typical prompt tokens: splits KV memory between layer groups"
+    )
+    expected_output_len: int = option(
+        500, "typical output tokens: splits KV memory between layer groups"
+    )
+    device: str | None = option(None, "cpu, cuda, cuda:1", shown="cuda if present")
+    dtype: Dtype | None = option(
+        None, "the model's dtype", shown="bfloat16 on CUDA, float32 elsewhere"
+    )
+    seed: int = option(0, "seed of the engine: random weights, sampling without a request seed")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    max_prefill_graph_tokens: int | None = option(
+        None,
+        "steps of up to this many tokens run all but attention from CUDA graphs; 0: never",
+        shown="with chunked prefill every step up to 2048 tokens, else 512",
+    )
+    async_scheduling: bool | None = option(
+        None,
+        "launch each step before the previous one's tokens reach the host",
+        shown="on CUDA devices, without tensor parallelism",
+    )
+    tensor_parallel_size: int = option(
+        1, "GPUs (processes on CPU) that split every layer's heads; KV heads must divide by it"
+    )
+    quantization: Quantization | None = option(
+        None,
+        "fp8: linear layers' weights and activations in FP8 e4m3 (compute capability 8.9+); "
+        "a compressed-tensors FP8-Dynamic checkpoint sets it itself",
+        shown="none, the weights in dtype",
+    )
+    kv_cache_dtype: KVCacheDtype = option(
+        "auto", "auto: the model's dtype; fp8 (= fp8_e4m3): e4m3 pages, half the bytes of bf16"
+    )
+    step_log: str | None = option(None, "append every engine step to this file as a JSON line")
+    hf_overrides: dict[str, Any] = option(
+        doc="model config fields to override, as a JSON object", factory=dict
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size"):

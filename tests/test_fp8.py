@@ -11,7 +11,6 @@ from sparse_core.distributed.layers import ColumnParallelLinear, RowParallelLine
 from sparse_core.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
-    fp8_linear_cuda,
     fp8_linear_reference,
     quantize_rows,
     supports_fp8,
@@ -79,6 +78,8 @@ def test_unknown_quantization_is_refused_by_name():
 )
 @pytest.mark.parametrize("rows", [1, 20, 333, 4096])
 def test_scaled_mm_matches_the_reference(rows):
+    from sparse_core.kernels.triton_fp8 import fp8_linear_cuda
+
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w_fp8, w_scale = quantize_rows(torch.randn(1536, 4096, device="cuda", dtype=torch.bfloat16))
     expected = fp8_linear_reference(x.float(), w_fp8, w_scale)

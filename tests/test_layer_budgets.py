@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
-from sparse_core.cli import build_parser, configs_from_args
+from sparse_core.cli import build_parser
+from sparse_core.engine_args import configs_from_args
 from sparse_core.policy import budget_profiles, plan_layers, ratios_compression
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -112,5 +113,9 @@ def test_command_line_flags():
     assert _sparsity().full_layers == "auto"  # unchanged without layer budgets
     with pytest.raises(ValueError, match="leave full_layers unset"):
         _sparsity("--layer-budgets", "auto", "--target-compression", "4", "--full-layers", "2")
-    with pytest.raises(ValueError, match="--layer-budgets must be"):
+
+
+def test_a_bad_layer_budget_list_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
         _sparsity("--layer-budgets", "64,half")
+    assert "--layer-budgets: '64,half' is not a comma-separated list" in capsys.readouterr().err

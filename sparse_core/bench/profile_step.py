@@ -27,9 +27,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from sparse_core.bench.workload import KEEP_DECODING, random_prompt, sparsity_for, start_decoding
-from sparse_core.cli import add_graph_args
 from sparse_core.config import EngineConfig
 from sparse_core.engine.llm_engine import LLMEngine
+from sparse_core.engine_args import add_config_args
 
 # Kernel-name fragments of the matmul libraries torch dispatches to on Hopper.
 MATMUL_MARKERS = ("gemm", "nvjet", "sm90_xmma", "cutlass")
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "--bandwidth-tbs", type=float, default=4.26, help="copy bandwidth (an H200's measured)"
     )
     parser.add_argument("--top", type=int, default=20)
-    add_graph_args(parser)
+    add_config_args(parser, only=("enforce_eager", "max_prefill_graph_tokens"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")

@@ -19,17 +19,18 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparse_core.bench.workload import calibrated_shape, random_prompt, sparsity_for
-from sparse_core.cli import add_graph_args, add_step_size_args
-from sparse_core.config import KV_CACHE_DTYPES, QUANTIZATIONS, EngineConfig, SparsityConfig
+from sparse_core.bench.workload import calibrated_shape, random_prompt
+from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.device import use_one_host_thread
 from sparse_core.engine.gpu_memory import (
     gpu_memory_outside_torch,
     peak_process_gpu_bytes,
     process_gpu_bytes,
 )
-from sparse_core.engine.llm_engine import LLMEngine, StepRecord
-from sparse_core.engine.model_runner import use_one_host_thread
+from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.engine.step_log import StepRecord
+from sparse_core.engine_args import Default, add_config_args, config_values
 
 
 @dataclass
@@ -242,44 +243,78 @@ def print_table(results: list[RunResult]) -> None:
         )
 
 
+# `bench throughput`'s own defaults: the 4000-in / 500-out benchmarks of docs/benchmarks.md
+# ("Setup") on a random-weight Llama-3-8B.
+BENCH_DEFAULTS = {
+    "model": "dummy:llama3-8b",
+    "max_num_seqs": 256,
+    "max_model_len": 4608,
+    "full_layers": 3,
+    "expected_input_len": Default(None, "--input-len"),
+    "expected_output_len": Default(None, "--output-len"),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="dummy:llama3-8b")
-    parser.add_argument("--policies", default="dense,snapkv,pyramid")
+    parser.add_argument(
+        "--policies",
+        default="dense,snapkv,pyramid",
+        help="comma-separated: one run each, on the sparsity flags (dense: none of them apply)",
+    )
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=4000)
     parser.add_argument("--output-len", type=int, default=500)
-    parser.add_argument("--budget", type=int, default=512)
-    parser.add_argument("--window", type=int, default=32)
-    parser.add_argument("--full-layers", type=int, default=3)
-    parser.add_argument(
-        "--layer-budgets",
-        choices=["auto"],
-        default=None,
-        help="the compressing policies with calibrated per-layer budgets for "
-        "--target-compression instead of --budget and --full-layers",
-    )
-    parser.add_argument("--target-compression", type=float, default=None)
     parser.add_argument(
         "--profile-model",
         default="smollm2-135m-instruct",
-        help="with --layer-budgets: whose calibrated profile gives the budgets' shape, laid onto "
-        "--model's layers by relative depth",
+        help="with --layer-budgets auto: whose calibrated profile gives the budgets' shape, laid "
+        "onto --model's layers by relative depth",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4608)
-    add_step_size_args(parser)
-    parser.add_argument("--gpu-memory-limit-gb", type=float, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    add_graph_args(parser)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--json", default=None, help="write all results here")
+    add_config_args(parser, BENCH_DEFAULTS, exclude=("policy",))
+
+
+def run_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig, SparsityConfig]]:
+    """Each run's label, engine and sparsity: one per --policies entry. Layer budgets replace
+    --budget and --full-layers; `auto` lays --profile-model's calibrated shape onto --model."""
+    engine_values = config_values(args, EngineConfig)
+    engine_values.setdefault("expected_input_len", args.input_len)
+    engine_values.setdefault("expected_output_len", args.output_len)
+    config = EngineConfig(**engine_values)
+    values = config_values(args, SparsityConfig)
+    cap = f"cap {args.gpu_memory_limit_gb:g}G" if args.gpu_memory_limit_gb else "uncapped"
+    weights = f" w-{config.quantization}" if config.quantization else ""
+    kv = f" kv-{config.kv_cache_dtype}" if config.fp8_kv_cache else ""
+    runs = []
+    for policy in args.policies.split(","):
+        if policy == "dense":
+            runs.append((f"dense{weights}{kv} {cap}", config, SparsityConfig(policy="dense")))
+            continue
+        run = {**values, "policy": policy}
+        label = f"{policy} {run['full_layers']} full"
+        if run["layer_budgets"] == "auto":
+            if run["target_compression"] is None:
+                raise ValueError("--layer-budgets auto needs --target-compression (e.g. 4)")
+            run["layer_budgets"] = calibrated_shape(
+                args.profile_model,
+                run["target_compression"],
+                config.model,
+                args.input_len,
+                run["window"],
+                run["sinks"],
+            )
+            label = f"{policy} budgets@{run['target_compression']:g}x"
+            run["target_compression"] = None  # the budgets have it
+        elif run["layer_budgets"] is not None:
+            label = f"{policy} budgets"
+        if run["layer_budgets"] is not None:
+            run["full_layers"] = None
+        runs.append((f"{label}{weights}{kv} {cap}", config, SparsityConfig(**run)))
+    return runs
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.layer_budgets and args.target_compression is None:
-        raise ValueError("--layer-budgets auto needs --target-compression (e.g. 4)")
+    runs = run_configs(args)  # checks the flags before anything runs
     on_gpu = torch.cuda.is_available()
     if on_gpu:
         use_one_host_thread()  # as the server's engine process does
@@ -288,45 +323,9 @@ def main(args: argparse.Namespace) -> int:
     bandwidth = measure_copy_bandwidth(torch.device("cuda")) if on_gpu else 0.0
     print(f"device {device_name}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
     results = []
-    cap = f"cap {args.gpu_memory_limit_gb:g}G" if args.gpu_memory_limit_gb else "uncapped"
-    for policy in args.policies.split(","):
-        config = EngineConfig(
-            model=args.model,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_chunked_prefill=args.enable_chunked_prefill,
-            space_admissions=bool(args.space_admissions),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            gpu_memory_limit_gb=args.gpu_memory_limit_gb,
-            expected_input_len=args.input_len,
-            expected_output_len=args.output_len,
-            enforce_eager=args.enforce_eager,
-            max_prefill_graph_tokens=args.max_prefill_graph_tokens,
-            tensor_parallel_size=args.tensor_parallel_size,
-            quantization=args.quantization,
-            kv_cache_dtype=args.kv_cache_dtype,
-        )
-        weights = f" w-{args.quantization}" if args.quantization else ""
-        kv = f" kv-{args.kv_cache_dtype}" if config.fp8_kv_cache else ""
-        full = f" {args.full_layers} full" if policy != "dense" else ""
-        sparsity = sparsity_for(policy, args.budget, args.window, args.full_layers)
-        if args.layer_budgets and sparsity.compresses:
-            sparsity = SparsityConfig(
-                policy=policy,
-                window=args.window,
-                layer_budgets=calibrated_shape(
-                    args.profile_model,
-                    args.target_compression,
-                    args.model,
-                    args.input_len,
-                    args.window,
-                ),
-            )
-            policy = f"{policy} budgets@{args.target_compression:g}x"
-            full = ""
+    for label, config, sparsity in runs:
         result = run_one(
-            f"{policy}{full}{weights}{kv} {cap}",
+            label,
             config,
             sparsity,
             args.num_prompts,

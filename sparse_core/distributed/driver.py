@@ -2,8 +2,9 @@
 
 Worker r (1 <= r < tp) is a process of its own (spawned, so CUDA works in it), joined to rank 0
 by a pipe for commands and by the torch.distributed group for the collectives of the forward.
-A command is a ModelRunner method name and its arguments, pickled once and written to every
-pipe; a worker runs the same method on its own runner. Commands carry host data only (token ids,
+A command is an operation every rank runs (a ModelRunner method marked `@every_rank`,
+sparse_core/distributed/every_rank.py) and its arguments, pickled once and written to every
+pipe; a worker runs the same operation on its own runner. Commands carry host data only (token ids,
 slots, block tables), so the pipe costs microseconds per step next to the forward.
 """
 
@@ -22,18 +23,19 @@ import torch.multiprocessing
 
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.parallel_state import (
+    MASTER_ADDR,
     backend_for,
     destroy_tensor_parallel,
     get_tp_size,
     init_tensor_parallel,
     rank_device,
 )
-from sparse_core.engine.model_runner import resolve_device
+from sparse_core.distributed.worker import worker_main
+from sparse_core.engine.device import resolve_device
 from sparse_core.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
 
-MASTER_ADDR = "127.0.0.1"  # the ranks of one engine share a host
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -51,8 +53,6 @@ class TensorParallelWorkers:
         On CPU the workers map rank 0's loaded weights (shared memory) instead of loading and
         dequantising the files again; on GPUs each worker reads the files itself, which needs no
         host shared memory the size of the checkpoint."""
-        from sparse_core.distributed.worker import worker_main  # imports the model stack
-
         if dist.is_initialized() or get_tp_size() > 1:
             raise RuntimeError(
                 "this process already drives a tensor-parallel engine (one per process); "
@@ -106,13 +106,14 @@ class TensorParallelWorkers:
             raise
         self._store = store  # kept alive: the workers' store clients talk to it
 
-    def call(self, method: str, *args: Any) -> None:
-        """Every worker runs `runner.method(*args)`; returns once the command is sent."""
+    def call(self, operation: str, *args: Any) -> None:
+        """Every worker runs the operation (an `@every_rank` method of its runner) with `args`;
+        returns once the command is sent. ModelRunner's marked methods call this themselves."""
         if self._closed:
             raise WorkerError("the tensor-parallel workers are shut down")
         if not self._ready:
             self._wait_ready()
-        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps((operation, args), protocol=pickle.HIGHEST_PROTOCOL)
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 pipe.send_bytes(payload)

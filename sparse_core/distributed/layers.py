@@ -13,12 +13,7 @@ from torch import nn
 
 from sparse_core.distributed.communication import all_gather, all_reduce
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
-from sparse_core.kernels.fp8 import (
-    FP8_DTYPE,
-    fp8_linear_cuda,
-    fp8_linear_reference,
-    quantize_rows,
-)
+from sparse_core.kernels.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_rows
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -75,6 +70,8 @@ class QuantizableLinear(nn.Linear):
         """x @ weight^T, into `out` if given."""
         if self.weight.dtype == FP8_DTYPE:
             if x.device.type == "cuda":
+                from sparse_core.kernels.triton_fp8 import fp8_linear_cuda  # imports Triton
+
                 return fp8_linear_cuda(x, self.weight, self.weight_scale, out)
             y = fp8_linear_reference(x, self.weight, self.weight_scale)
             return y if out is None else out.copy_(y)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from sparse_core.models.config import ModelConfig
 
+MASTER_ADDR = "127.0.0.1"  # the ranks of one engine share a host: their rendezvous store's address
 # Rendezvous and collectives; generous because a worker may still be loading weights.
 GROUP_TIMEOUT = timedelta(minutes=30)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import pickle
 import traceback
 from multiprocessing.connection import Connection
@@ -15,13 +14,15 @@ import torch.distributed as dist
 
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.communication import COLLECTIVE_CALLS
-from sparse_core.distributed.driver import MASTER_ADDR
+from sparse_core.distributed.every_rank import run_on_worker
 from sparse_core.distributed.parallel_state import (
+    MASTER_ADDR,
     destroy_tensor_parallel,
     init_tensor_parallel,
     rank_device,
 )
-from sparse_core.engine.model_runner import ModelRunner, resolve_device, use_one_host_thread
+from sparse_core.engine.device import resolve_device, set_rank_threads
+from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.models.config import ModelConfig
 from sparse_core.models.loader import ModelSource, load_model_source
 
@@ -61,9 +62,7 @@ def worker_main(
         device = rank_device(resolve_device(config.device), rank, world_size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            use_one_host_thread()
-        else:  # CPU ranks share the cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        set_rank_threads(device, world_size)
         store = dist.TCPStore(MASTER_ADDR, store_port, world_size, is_master=False)
         init_tensor_parallel(rank, world_size, backend, store)
         if weights is None and not config.model.startswith("dummy:"):
@@ -84,7 +83,7 @@ def worker_main(
                 name, query_args = args
                 _reply(pipe, "ok", getattr(worker, name)(*query_args))
             else:
-                getattr(worker.runner, method)(*args)
+                run_on_worker(worker.runner, method, args)
     except Exception:
         # Rank 0 sees this on its next read of the pipe, or as a failed collective.
         _reply(pipe, "error", traceback.format_exc())

@@ -17,9 +17,9 @@ from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.device import resolve_device
 from sparse_core.engine.engine_core import ProcessEngineCore, StepResult, ThreadEngineCore
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.model_runner import resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
 

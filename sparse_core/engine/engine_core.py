@@ -22,8 +22,8 @@ from multiprocessing.util import Finalize
 from typing import Any
 
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.device import resolve_device, use_one_host_thread
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.model_runner import resolve_device, use_one_host_thread
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sequence import Sequence

@@ -16,14 +16,15 @@ from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
+from sparse_core.engine.device import resolve_device
 from sparse_core.engine.gpu_memory import gpu_memory_outside_torch
-from sparse_core.engine.model_runner import ModelRunner, resolve_device
+from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
-from sparse_core.engine.step_log import StepLog
+from sparse_core.engine.step_log import StepLog, StepRecord
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
@@ -38,32 +39,6 @@ CPU_DEFAULT_KV_CACHE_GB = 2.0
 LATE_RUNTIME_BYTES = 64 * 2**20
 # How far from its memory limit a started engine may be before its KV cache is resized.
 REFIT_SLACK_BYTES = 256 * 2**20
-
-
-@dataclass
-class StepRecord:
-    """One step, for benchmarks: what ran and how long it took (wall clock, device included)."""
-
-    num_prefill_seqs: int
-    num_prefill_tokens: int
-    num_decode_seqs: int
-    kv_token_layers: int  # cached token-layers the decode rows' attention read
-    seconds: float
-    # Of those, the host's time until the forward pass was enqueued: inputs prepared, kernels
-    # launched. Close to `seconds`, the step is host-bound (the device waited for launches).
-    # Rank 0's host only under tensor parallelism; on CPU the launch runs the step.
-    launch_seconds: float
-    # Launched before the previous step's tokens were read (async scheduling): its host work
-    # overlapped the previous step's device time.
-    launched_ahead: bool = False
-    # Of launch_seconds, first launches of kernel variants (Triton compiling them or loading them
-    # from its cache): in the middle of serving, a stall that a warm process does not have.
-    kernel_first_launch_seconds: float = 0.0
-
-    @property
-    def is_prefill(self) -> bool:
-        """Whether prompts were prefilled (decode rows may have joined them)."""
-        return self.num_prefill_seqs > 0
 
 
 @dataclass

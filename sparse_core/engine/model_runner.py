@@ -11,19 +11,19 @@ import contextlib
 import gc
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.distributed.every_rank import RankGroup, every_rank
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
+from sparse_core.engine.device import resolve_device, resolve_dtype
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
@@ -45,39 +45,7 @@ from sparse_core.models.loader import ModelSource
 from sparse_core.models.quantization import check_fp8_device, quantize_linear_layers
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 
-if TYPE_CHECKING:
-    from sparse_core.distributed.driver import TensorParallelWorkers
-
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} requested but CUDA is not available")
-    return device
-
-
-def use_one_host_thread() -> None:
-    """For a process that drives a GPU: one torch CPU thread, unless OMP_NUM_THREADS says
-    otherwise. Its host work is tiny tensors, on which a pool of threads (torch's default: one
-    per core) only spins against the other processes of a server, and every decode step waits
-    on it (docs/benchmarks.md, "Engine internals")."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-
-
-def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
-    if name is None:
-        # CPU matmuls in bf16 are slow and lose the exact match with reference outputs.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 @dataclass
@@ -132,7 +100,7 @@ class ModelRunner:
         config: EngineConfig,
         sparsity: SparsityConfig,
         source: ModelSource,
-        workers: TensorParallelWorkers | None = None,
+        workers: RankGroup | None = None,
     ) -> None:
         self.config = config
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
@@ -185,13 +153,11 @@ class ModelRunner:
         """KV heads this rank caches (all of the model's without tensor parallelism)."""
         return self.model.attention_layers[0].num_kv_heads
 
-    def _on_workers(self, method: str, *args) -> None:
-        """Rank 0: have every other rank run the same method (their collectives must match)."""
-        if self.workers is not None:
-            self.workers.call(method, *args)
+    # The methods marked @every_rank run on every rank of a tensor-parallel engine: on rank 0
+    # each first sends itself to the other ranks (sparse_core/distributed/every_rank.py).
 
+    @every_rank
     def allocate_kv_cache(self, blocks_per_group: list[int]) -> None:
-        self._on_workers("allocate_kv_cache", blocks_per_group)
         cfg = self.model.config
         attns = self.model.attention_layers
         for group, num_blocks in zip(self.retention.plan.groups, blocks_per_group, strict=True):
@@ -207,10 +173,10 @@ class ModelRunner:
             for i, layer in enumerate(group.layers):
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
+    @every_rank
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the decode graphs that read it, back to the device (before
         allocating it again at another size)."""
-        self._on_workers("release_kv_cache")
         self.decode_graphs = None
         for attn in self.model.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
@@ -250,11 +216,11 @@ class ModelRunner:
         `decode_input_ids` as for `launch`: outputs not appended yet, which penalties count."""
         return PendingTokens(sample(logits, step.seqs, self.generator, wanted, decode_input_ids))
 
+    @every_rank
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Every rank's part of a step: the forward pass; logits [B, V] (full vocabulary), the
         prompts' last tokens first, then the decoded tokens."""
-        self._on_workers("execute", batch)
         if batch.prefill is None and self.decode_graphs is not None:
             return self.decode_graphs.run(batch.decode)
         return self._forward(batch, self.selection)
@@ -425,6 +391,7 @@ class ModelRunner:
 
     # -- GPU start-up ---------------------------------------------------------------------------
 
+    @every_rank
     @torch.inference_mode()
     def profile_activation_bytes(self) -> int:
         """Peak memory the largest step needs above what is allocated now (CUDA only).
@@ -435,7 +402,6 @@ class ModelRunner:
         scoring buffers are counted and the scoring and compaction kernels compiled now rather
         than on the first request.
         """
-        self._on_workers("profile_activation_bytes")
         cfg, config = self.model.config, self.config
         placeholder = torch.zeros(
             (2, 1, self.block_size, self.num_kv_heads, cfg.head_dim),
@@ -503,6 +469,7 @@ class ModelRunner:
     def _uses_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager
 
+    @every_rank
     @torch.inference_mode()
     def capture_prefill_graphs(self) -> int:
         """Capture the pieces of steps that prefill (before the KV caches exist: the pieces do
@@ -515,7 +482,6 @@ class ModelRunner:
         )
         if not self._uses_graphs() or tokens == 0:
             return 0
-        self._on_workers("capture_prefill_graphs")
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()  # as capturing does: the difference is then the graphs' alone
         before, start = torch.cuda.memory_reserved(self.device), time.perf_counter()
@@ -531,11 +497,11 @@ class ModelRunner:
         )
         return taken
 
+    @every_rank
     def capture_decode_graphs(self) -> None:
         """After the KV caches exist: capture decode graphs, unless eager mode or not on CUDA."""
         if not self._uses_graphs():
             return
-        self._on_workers("capture_decode_graphs")
         self.decode_graphs = DecodeGraphs(
             self.model,
             len(self.retention.groups),

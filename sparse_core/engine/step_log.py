@@ -7,11 +7,33 @@ from __future__ import annotations
 import json
 import time
 import weakref
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
-if TYPE_CHECKING:
-    from sparse_core.engine.llm_engine import StepRecord
+
+@dataclass
+class StepRecord:
+    """One step, for benchmarks: what ran and how long it took (wall clock, device included)."""
+
+    num_prefill_seqs: int
+    num_prefill_tokens: int
+    num_decode_seqs: int
+    kv_token_layers: int  # cached token-layers the decode rows' attention read
+    seconds: float
+    # Of those, the host's time until the forward pass was enqueued: inputs prepared, kernels
+    # launched. Close to `seconds`, the step is host-bound (the device waited for launches).
+    # Rank 0's host only under tensor parallelism; on CPU the launch runs the step.
+    launch_seconds: float
+    # Launched before the previous step's tokens were read (async scheduling): its host work
+    # overlapped the previous step's device time.
+    launched_ahead: bool = False
+    # Of launch_seconds, first launches of kernel variants (Triton compiling them or loading them
+    # from its cache): in the middle of serving, a stall that a warm process does not have.
+    kernel_first_launch_seconds: float = 0.0
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether prompts were prefilled (decode rows may have joined them)."""
+        return self.num_prefill_seqs > 0
 
 
 class StepLog:

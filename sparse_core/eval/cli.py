@@ -10,6 +10,7 @@ from datetime import date
 from pathlib import Path
 
 from sparse_core.config import POLICIES
+from sparse_core.engine_args import parse_full_layers
 from sparse_core.eval import calibrate as cal
 from sparse_core.eval import layer_budgets as lb
 from sparse_core.eval.report import markdown_table, plot, settings_table, summarize
@@ -169,8 +170,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     settings = _settings(args)  # checks --settings before the model loads
     samples, source = _samples(args)
-    from sparse_core.cli import parse_full_layers  # sparse_core.cli imports this module
-
     if args.profile_comparison:
         full_layers = load_profile(source.config.name)["full_layers"]
         configs = cal.comparison_configs(full_layers, _floats(args.ratios))

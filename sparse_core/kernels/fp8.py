@@ -2,10 +2,11 @@
 scale per token computed on the fly ("FP8-Dynamic", vLLM's `--quantization fp8`).
 
 On GPUs with FP8 tensor cores (compute capability 8.9: Ada, e.g. the RTX 4090; 9.0: Hopper) the
-matmul runs through `torch._scaled_mm` (cuBLASLt) with row-wise scales and a bf16/fp16 output.
-Everywhere else `fp8_linear_reference` dequantizes and multiplies in float32: the CPU path and
-the oracle of the GPU one. Both quantize the activations the same way, so they differ only by the
-matmul's rounding.
+matmul runs through `torch._scaled_mm` (cuBLASLt) with row-wise scales and a bf16/fp16 output:
+`fp8_linear_cuda` in sparse_core/kernels/triton_fp8.py, beside the kernel that quantizes its
+activations. Everywhere else `fp8_linear_reference` dequantizes and multiplies in float32: the
+CPU path and the oracle of the GPU one. Both quantize the activations the same way, so they
+differ only by the matmul's rounding.
 """
 
 from __future__ import annotations
@@ -69,27 +70,3 @@ def fp8_linear_reference(
     w = weight.float() * weight_scale
     y = (x_fp8.float() * x_scale) @ w.t()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def fp8_linear_cuda(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The same product on FP8 tensor cores, the activations quantized by one Triton kernel;
-    `out` (rows, out features) receives it if given."""
-    from sparse_core.kernels import triton_fp8
-
-    rows = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scale = triton_fp8.quantize_rows(rows)
-    y = torch._scaled_mm(
-        x_fp8,
-        weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
-        scale_a=x_scale,
-        scale_b=weight_scale.view(1, -1),
-        out_dtype=x.dtype,
-    )
-    if out is not None:
-        return out.copy_(y)
-    return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,5 +1,6 @@
-"""Per-token FP8 quantization of activations in one kernel (sparse_core/kernels/fp8.py's
-`quantize_rows`, which takes eight torch kernels: conversions, abs, max, divide, clamps, cast).
+"""FP8 linear layers on the GPU (`fp8_linear_cuda`), with the per-token FP8 quantization of their
+activations in one kernel (sparse_core/kernels/fp8.py's `quantize_rows`, which takes eight torch
+kernels: conversions, abs, max, divide, clamps, cast).
 
 One program per row: a pass for the row's largest magnitude, then a pass that scales, clamps and
 stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
@@ -55,3 +56,25 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out, scale
+
+
+def fp8_linear_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """sparse_core/kernels/fp8.py's `fp8_linear_reference` on FP8 tensor cores, the activations
+    quantized by one Triton kernel; `out` (rows, out features) receives it if given."""
+    rows = x.reshape(-1, x.shape[-1])
+    x_fp8, x_scale = quantize_rows(rows)
+    y = torch._scaled_mm(
+        x_fp8,
+        weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
+        scale_a=x_scale,
+        scale_b=weight_scale.view(1, -1),
+        out_dtype=x.dtype,
+    )
+    if out is not None:
+        return out.copy_(y)
+    return y.reshape(*x.shape[:-1], weight.shape[0])

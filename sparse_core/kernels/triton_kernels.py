@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from sparse_core.kernels import reference
+import sparse_core.kernels.reference as reference
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.kernels.launcher import launch
 

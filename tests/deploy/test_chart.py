@@ -15,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from sparse_core.engine_args import SETTINGS, Setting
+from tests.config_samples import Configs, sample, value_of, with_companions
 from tests.deploy.helpers import CHART, ROOT, render, run_helm, set_args
 
 K8S_VERSION = "1.33.0"
@@ -137,12 +139,11 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
     from service.ray_app import RayAppConfig, build_app
-    from sparse_core.config import SparsityConfig
 
     assert builder is build_app
     cfg = RayAppConfig.from_dict(app["args"])
     assert cfg.engine_config().space_admissions  # a server's default: the chart leaves it unset
-    SparsityConfig(**cfg.sparsity)
+    cfg.sparsity_config()
     build_app(app["args"])  # builds the deployment graph; needs no running cluster
 
     values = VALUE_SETS[name]
@@ -174,13 +175,12 @@ def test_serve_runs_at_the_engines_capacity(
     from service.ray_app import RayAppConfig, ingress_options
     from service.ray_env import SERVE_ENVIRONMENT
     from service.settings import parse_pools
-    from sparse_core.config import SparsityConfig
 
     _, docs = rendered
     (rs,) = by_kind(docs, "RayService")
     cfg = RayAppConfig.from_dict(serve_app(rs)["args"])
     engine = cfg.engine_config()
-    pools = len(parse_pools(cfg.pools, SparsityConfig(**cfg.sparsity)))
+    pools = len(parse_pools(cfg.pools, cfg.sparsity_config()))
     inflight = cfg.ingress_max_inflight(engine, pools)
     capacity = engine.max_num_seqs * cfg.max_replicas * pools
     assert inflight * cfg.ingress_replicas >= capacity
@@ -299,3 +299,45 @@ def test_crd_check_refuses_unknown_fields(helm: str, rayservice_schema: dict[str
     rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 4  # a typo
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(rs, rayservice_schema)
+
+
+# Where the chart's values hold the EngineConfig fields it does not take under `engine:`.
+HELM_VALUES = {"model": ("model", "path"), "tensor_parallel_size": ("tensorParallelSize",)}
+
+
+def helm_values(setting: Setting, value: Any) -> dict[str, Any]:
+    """Values that set one config field: `engine.<field>` or `sparsity.<field>`, but for the
+    two fields above."""
+    section = "engine" if setting.config.__name__ == "EngineConfig" else "sparsity"
+    *path, last = HELM_VALUES.get(setting.name, (section, setting.name))
+    values = {last: value}
+    for key in reversed(path):
+        values = {key: values}
+    return values
+
+
+def chart_configs(docs: list[dict[str, Any]]) -> Configs:
+    from service.ray_app import RayAppConfig
+
+    (rs,) = by_kind(docs, "RayService")
+    cfg = RayAppConfig.from_dict(serve_app(rs)["args"])
+    return cfg.engine_config(), cfg.sparsity_config()
+
+
+@pytest.fixture(scope="module")
+def chart_defaults(helm: str) -> Configs:
+    return chart_configs(render(helm, {}))
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.dest)
+def test_every_config_field_reaches_the_engines_from_the_values(
+    helm: str, chart_defaults: Configs, setting: Setting
+) -> None:
+    """Each EngineConfig and SparsityConfig field, set in the values to something other than
+    the chart's default, is what the Serve application's engines get."""
+    value = sample(setting, value_of(chart_defaults, setting))
+    values: dict[str, Any] = {}
+    for s, v in with_companions(setting, value).items():
+        for key, part in helm_values(s, v).items():
+            values[key] = {**values.get(key, {}), **part} if isinstance(part, dict) else part
+    assert value_of(chart_configs(render(helm, values)), setting) == value
