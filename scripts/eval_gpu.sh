@@ -11,10 +11,13 @@
 #   budgets   calibrated per-layer budgets at 2x, 3x and 4x effective compression beside uniform
 #             SnapKV, the binary profile (where it reaches the ratio), PyramidKV, StreamingLLM and
 #             random selection on the same budgets; both settings
+#   fp8       dense and the calibrated profile (snapkv, the calibrated layers whole, $FP8_RATIOS
+#             effective) with bf16 weights and KV, FP8 weights (--quantization fp8), and FP8
+#             weights and KV (--kv-cache-dtype fp8); both settings; files fp8-{bf16,fp8,fp8-kv}.*
 #   calibrate-time  (not in the default steps) times `kvsparse calibrate --target-compression
 #             2,3,4` on dummy:llama3-8b at 4000-token prompts, every layer probed alone at 2, 4,
 #             8 and 16x; writes calibrate_time.log and its profiles under DIR/calibrate-dummy
-# EVAL_STEPS picks the steps (default: grid profiles budgets), e.g. EVAL_STEPS=calibrate-time.
+# EVAL_STEPS picks the steps (default: grid profiles budgets fp8), e.g. EVAL_STEPS=calibrate-time.
 # All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
 # SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
 # eval.log into DIR and prints the summary tables.
@@ -27,7 +30,7 @@
 #   KVSPARSE_EVAL_DATA      the directory holding lee_background.cor
 #   PYTHONPATH              the bundle's site/ is prepended (the gguf package)
 # Smaller runs (e.g. a check on CPU) through EVAL_LENGTHS, EVAL_SAMPLES, EVAL_TASKS,
-# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_BUDGET_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
+# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_BUDGET_RATIOS, EVAL_FP8_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
 # EVAL_MAX_NUM_SEQS, EVAL_MAX_NUM_BATCHED_TOKENS; PYTHON picks the interpreter (python3).
 set -euo pipefail
 OUT=${1:-${OUT:-}}
@@ -49,7 +52,8 @@ POLICIES=${EVAL_POLICIES:-dense,snapkv,pyramid,streamingllm,random}
 RATIOS=${EVAL_RATIOS:-2,4,8,16}
 PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,2.5}
 BUDGET_RATIOS=${EVAL_BUDGET_RATIOS:-2,3,4}
-STEPS=${EVAL_STEPS:-grid profiles budgets}
+FP8_RATIOS=${EVAL_FP8_RATIOS:-2}
+STEPS=${EVAL_STEPS:-grid profiles budgets fp8}
 DEVICE=${EVAL_DEVICE:-cuda}
 DTYPE=${EVAL_DTYPE:-bfloat16}
 # One engine per (config, length) holds all of that length's prompts in both settings at once
@@ -122,6 +126,15 @@ run_eval() {
     log "$name done in $((SECONDS - start)) s"
 }
 
+# The flags of a number format of the fp8 step.
+number_format_args() {
+    case $1 in
+    bf16) ;;
+    fp8) echo --quantization fp8 ;;
+    fp8-kv) echo --quantization fp8 --kv-cache-dtype fp8 ;;
+    esac
+}
+
 # The calibration at the scale users run it: Llama-3-8B's shape (random weights: the time, not
 # the profile, is the point), 4000-token probes of the calibration's tasks, every layer alone.
 calibrate_time() {
@@ -143,10 +156,17 @@ for step in $STEPS; do
     grid) run_eval grid --policies "$POLICIES" --ratios "$RATIOS" --full-layers 0 ;;
     profiles) run_eval profiles --profile-comparison --ratios "$PROFILE_RATIOS" ;;
     budgets) run_eval budgets --budget-comparison --ratios "$BUDGET_RATIOS" ;;
+    fp8)
+        for format in bf16 fp8 fp8-kv; do
+            run_eval "fp8-$format" --policies dense,snapkv --full-layers auto \
+                --ratios "$FP8_RATIOS" --match-effective $(number_format_args "$format")
+            summaries+=("fp8-$format")
+        done
+        ;;
     calibrate-time) calibrate_time ;;
-    *) fail "unknown step $step (grid, profiles, budgets, calibrate-time)" ;;
+    *) fail "unknown step $step (grid, profiles, budgets, fp8, calibrate-time)" ;;
     esac
-    [ "$step" = calibrate-time ] || summaries+=("$step")
+    case $step in grid | profiles | budgets) summaries+=("$step") ;; esac
 done
 
 # -- summary: the first table of each (the two settings side by side) -----------------------------

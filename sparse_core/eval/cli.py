@@ -10,7 +10,7 @@ from datetime import date
 from pathlib import Path
 
 from sparse_core.config import POLICIES
-from sparse_core.engine_args import parse_full_layers
+from sparse_core.engine_args import add_config_args, parse_full_layers
 from sparse_core.eval import calibrate as cal
 from sparse_core.eval import layer_budgets as lb
 from sparse_core.eval.report import markdown_table, plot, settings_table, summarize
@@ -25,6 +25,8 @@ from sparse_core.eval.runner import (
 )
 from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
 from sparse_core.policy import LAYER_BUDGET_DIR, PROFILE_DIR, load_profile, ratios_compression
+
+QUANTIZATION_SETTINGS = ("quantization", "kv_cache_dtype")
 
 
 def _ints(text: str) -> list[int]:
@@ -50,6 +52,8 @@ def _common_args(p: argparse.ArgumentParser, samples: int, seed: int) -> None:
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=None, help="prompt tokens prefilled per step"
     )
+    # The number formats of the engine, as `kvsparse serve` takes them: accuracy with FP8.
+    add_config_args(p, only=QUANTIZATION_SETTINGS)
     p.add_argument("--json", default=None, help="write every sample's result here")
     p.add_argument("--markdown", default=None, help="write the tables here")
     p.add_argument("--plot", default=None, help="write the PNG plot here")
@@ -143,7 +147,10 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         dtype=args.dtype,
         # calibrate: query-aware, the setting of serving
         query_settings=tuple(getattr(args, "settings", QUERY_AWARE).split(",")),
-        engine_args={"max_num_batched_tokens": args.max_num_batched_tokens},
+        engine_args={
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            **{name: getattr(args, name) for name in QUANTIZATION_SETTINGS},
+        },
     )
 
 
