@@ -19,7 +19,7 @@ from sparse_core.engine.model_runner import ModelRunner, resolve_device
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.scheduler import ScheduledStep, Scheduler
+from sparse_core.engine.scheduler import AheadStep, ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.step_log import StepLog
 from sparse_core.engine.transfers import PendingTokens, to_device
@@ -138,7 +138,6 @@ class LLMEngine:
         self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
-        self._finished_last_step = False
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -209,16 +208,10 @@ class LLMEngine:
                 return []
             flight = self._launch(step, [seq.samples_next_token for seq in step.seqs])
         self.scheduler.step_done(flight.step)
-        # Not right after a step that finished a request: its client's next request (a closed
-        # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
-        # hold it back for one more. Unless a prompt of the typical length could not join that
-        # step anyway: the prompts already waiting leave no slot or no room for it, or
-        # space_admissions keeps the step for decoding.
-        if self.async_scheduling and (
-            not self._finished_last_step
-            or not self.scheduler.admits_another_prompt(self.config.expected_input_len)
-        ):
-            self._ahead = self._launch_ahead(flight)
+        if self.async_scheduling:
+            ahead = self.scheduler.schedule_ahead(flight.step, flight.wanted)
+            if ahead is not None:
+                self._ahead = self._launch_ahead(flight, ahead)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
         if flight.record is not None:
@@ -246,7 +239,6 @@ class LLMEngine:
                 outputs.append(self._release(seq))
             else:
                 outputs.append(self._output(seq))
-        self._finished_last_step = any(out.finished for out in outputs)
         return outputs
 
     def _launch(
@@ -266,36 +258,13 @@ class LLMEngine:
         tokens = self.runner.sample_tokens(step, logits, wanted, decode_input_ids)
         return _Flight(step, wanted, tokens, start, launched, record)
 
-    def _launch_ahead(self, flight: _Flight) -> _Flight | None:
-        """Launch the next step before `flight`'s tokens reach the host, when it needs nothing
-        of them but the tokens themselves: its decode rows are fed `flight`'s sampled tokens on
-        the device, beside the waiting prompts that fit. Only when no prompt is being
-        prefilled in chunks, every row of `flight` sampled a token, and there is room without
-        preempting.
-        A sequence that `flight` finishes by length is left out; one that it ends with a stop
-        token or string has one token computed in vain. None when the next step must wait."""
-        scheduler = self.scheduler
-        if not all(flight.wanted):
-            return None
-        row_of = {seq: row for row, seq in enumerate(flight.step.seqs)}
-        rows, seqs = [], []
-        for seq in scheduler.running:
-            row = row_of.get(seq)
-            if row is None or seq.is_prefilling:
-                return None
-            # The token in flight is its last one?
-            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
-                continue
-            if len(seq) + 1 >= self.config.max_model_len:
-                continue
-            rows.append(row)
-            seqs.append(seq)
-        step = scheduler.schedule_ahead(seqs)
-        if not step:
-            return None
-        ids = flight.tokens.device_ids[to_device(rows, torch.int64, self.runner.device)]
+    def _launch_ahead(self, flight: _Flight, ahead: AheadStep) -> _Flight:
+        """Launch the step the scheduler chose to run before `flight`'s tokens reach the host:
+        its decode rows' inputs are `flight`'s sampled tokens, still on the device."""
+        ids = flight.tokens.device_ids[to_device(ahead.rows, torch.int64, self.runner.device)]
+        step = ahead.step
         # A decode row's input is the token in flight, not appended yet: its sample is wanted.
-        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(seqs)
+        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(step.decodes)
         return self._launch(step, wanted, ids)
 
     def _step_record(self, step: ScheduledStep) -> StepRecord:
