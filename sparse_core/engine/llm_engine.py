@@ -13,9 +13,9 @@ from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
-from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner, resolve_device
+from sparse_core.engine.output_processor import OutputProcessor
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
@@ -125,8 +125,13 @@ class LLMEngine:
             blocks,
             config.max_num_batched_tokens,
         )
-        self.sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(
+            self.tokenizer,
+            self.scheduler,
+            self.plan,
+            self.model_config.num_hidden_layers,
+            config.max_model_len,
+        )
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
         if config.step_log:
             pool = {"policy": self.sparsity.policy, "budget": self.sparsity.budget}
@@ -169,9 +174,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         return self.checker.make_sequence(request_id, prompt, params)
 
+    @property
+    def sequences(self) -> dict[str, Sequence]:
+        """The requests added and not finished yet, by request id."""
+        return self.output_processor.sequences
+
     def add_sequence(self, seq: Sequence) -> None:
-        self.sequences[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -183,7 +192,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._release(seq)
+        return self.output_processor.release(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -225,21 +234,7 @@ class LLMEngine:
             if self._step_log is not None:
                 self._step_log.write(record)
         self._last_step_end = now
-        outputs = []
-        for seq, token, wanted in zip(flight.step.seqs, tokens, flight.wanted, strict=True):
-            # Finished: aborted, or ended by the step before, while this one ran.
-            if not wanted or seq.is_finished:
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.output_token_ids.append(token)
-            reason = self._append_text(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                outputs.append(self._release(seq))
-            else:
-                outputs.append(self._output(seq))
-        return outputs
+        return self.output_processor.process(flight.step, tokens, flight.wanted, now)
 
     def _launch(
         self,
@@ -280,55 +275,6 @@ class LLMEngine:
             ),
             seconds=0.0,
             launch_seconds=0.0,
-        )
-
-    def _append_text(self, seq: Sequence, token: int) -> str | None:
-        """Extend the text with the new token; the finish reason if the sequence is done."""
-        params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
-            return "stop"
-        new_text = self._detokenizers[seq.request_id].append(token)
-        if new_text:
-            seq.text += new_text
-            # Before min_tokens outputs, stop strings do not end the request (as in vLLM).
-            for stop in params.stop if len(seq.output_token_ids) > params.min_tokens else ():
-                # A stop string can only start inside the last len(new_text) + len(stop) chars.
-                at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop)))
-                if at != -1:
-                    seq.text = seq.text[:at]
-                    return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _release(self, seq: Sequence) -> RequestOutput:
-        output = self._output(seq)
-        output.finish_time = time.monotonic()
-        del self.sequences[seq.request_id]
-        del self._detokenizers[seq.request_id]
-        return output
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        kept = dict(zip((g.name for g in self.plan.groups), seq.prompt_kv_lens, strict=False))
-        kept_token_layers = sum(
-            len(g.layers) * n for g, n in zip(self.plan.groups, seq.prompt_kv_lens, strict=False)
-        )
-        prompt_token_layers = len(seq.prompt_token_ids) * self.model_config.num_hidden_layers
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            kv_tokens_per_group=kept,
-            compression_ratio=prompt_token_layers / kept_token_layers if kept_token_layers else 1.0,
-            num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
         )
 
     def stats(self) -> EngineStats:
