@@ -10,19 +10,17 @@ from dataclasses import dataclass
 import torch
 
 from sparse_core.cache.block_manager import BlockManager
-from sparse_core.cache.memory import split_kv_memory
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
-from sparse_core.engine.cuda_graphs import decode_graph_bytes
-from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.device import resolve_device
-from sparse_core.engine.gpu_memory import gpu_memory_outside_torch
+from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner
+from sparse_core.engine.output_processor import OutputProcessor
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.scheduler import ScheduledStep, Scheduler
+from sparse_core.engine.scheduler import AheadStep, ScheduledStep, Scheduler
 from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.step_log import StepLog, StepRecord
 from sparse_core.engine.transfers import PendingTokens, to_device
@@ -31,14 +29,6 @@ from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.models.prequantized import resolve_quantization
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_CACHE_GB = 2.0
-# GPU memory taken outside torch's allocator after the KV cache is sized: kernel modules loaded
-# on first use and library workspaces; without this margin a process at its limit ends up
-# above it (docs/benchmarks.md, "Engine internals").
-LATE_RUNTIME_BYTES = 64 * 2**20
-# How far from its memory limit a started engine may be before its KV cache is resized.
-REFIT_SLACK_BYTES = 256 * 2**20
 
 
 @dataclass
@@ -98,10 +88,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, self.sparsity, source, self.workers)
         self.retention = self.runner.retention
         self.plan = self.retention.plan
-        # The activation profile runs eagerly, before any graph exists.
-        activations = self._profile_activations()
-        prefill_graphs = self.runner.capture_prefill_graphs()
-        blocks = self._fit_kv_cache(self._kv_cache_bytes(activations, prefill_graphs))
+        blocks = start_kv_cache(self.runner, config, self.model_config.vocab_size)
         self.block_manager = BlockManager(
             self.retention, blocks, config.max_num_seqs, config.max_model_len
         )
@@ -116,8 +103,13 @@ class LLMEngine:
             blocks,
             config.max_num_batched_tokens,
         )
-        self.sequences: dict[str, Sequence] = {}
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(
+            self.tokenizer,
+            self.scheduler,
+            self.plan,
+            self.model_config.num_hidden_layers,
+            config.max_model_len,
+        )
         self.step_records: list[StepRecord] | None = None  # set to [] to record every step
         if config.step_log:
             pool = {"policy": self.sparsity.policy, "budget": self.sparsity.budget}
@@ -129,7 +121,6 @@ class LLMEngine:
         self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
-        self._finished_last_step = False
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -151,109 +142,6 @@ class LLMEngine:
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
 
-    def _profile_activations(self) -> int:
-        """Bytes of the largest step's activations, when the KV cache is sized by them."""
-        if not self._kv_cache_sized_by_gpu_memory:
-            return 0
-        return self.runner.profile_activation_bytes()
-
-    @property
-    def _kv_cache_sized_by_gpu_memory(self) -> bool:
-        """Whether the KV cache takes what GPU memory leaves (not kv_cache_memory_gb, not CPU)."""
-        return self.config.kv_cache_memory_gb is None and self.runner.device.type == "cuda"
-
-    def _allocate_kv_cache(self, kv_bytes: int) -> list[int]:
-        """The KV cache of `kv_bytes` split into the groups' blocks, allocated, then the decode
-        graphs over it captured; returns the blocks per group."""
-        config = self.config
-        blocks = split_kv_memory(
-            self.retention, kv_bytes, config.expected_input_len, config.expected_output_len
-        )
-        self.runner.allocate_kv_cache(blocks)
-        self.runner.capture_decode_graphs()
-        return blocks
-
-    def _fit_kv_cache(self, kv_bytes: int) -> list[int]:
-        """Allocate the KV cache sized at start-up; if the process then holds more or less GPU
-        memory than its limit (by over REFIT_SLACK_BYTES: what the allocator reuses, and the
-        decode graphs, are estimates), allocate it once more, corrected by the difference, so
-        that the whole process, CUDA context included, fits the limit as it would a card of
-        that size. Returns the blocks per group."""
-        blocks = self._allocate_kv_cache(kv_bytes)
-        if not self._kv_cache_sized_by_gpu_memory:
-            return blocks
-        device = self.runner.device
-        used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)
-        room = int(self._gpu_memory_limit() - used) - LATE_RUNTIME_BYTES
-        room = min(room, torch.cuda.mem_get_info(device)[0] - LATE_RUNTIME_BYTES)
-        if abs(room) <= REFIT_SLACK_BYTES:
-            return blocks
-        logger.info(
-            "GPU memory after start-up: %.2f GiB; KV cache resized by %+.2f GiB to fit the limit",
-            used / 2**30,
-            room / 2**30,
-        )
-        self.runner.release_kv_cache()
-        return self._allocate_kv_cache(kv_bytes + room)
-
-    def _gpu_memory_limit(self) -> float:
-        """Bytes this process may hold on its GPU."""
-        config = self.config
-        limit = torch.cuda.mem_get_info(self.runner.device)[1] * config.gpu_memory_utilization
-        if config.gpu_memory_limit_gb is not None:
-            limit = min(limit, config.gpu_memory_limit_gb * 2**30)
-        return limit
-
-    def _kv_cache_bytes(self, activations: int, prefill_graphs: int) -> int:
-        """prefill_graphs: bytes the prefill graphs' pool took (captured already)."""
-        config = self.config
-        if config.kv_cache_memory_gb is not None:
-            return int(config.kv_cache_memory_gb * 2**30)
-        device = self.runner.device
-        if device.type != "cuda":
-            return int(CPU_DEFAULT_KV_CACHE_GB * 2**30)
-        weights = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
-        limit = self._gpu_memory_limit()
-        # What torch's allocator holds now: the weights, the prefill graphs' pool, and the
-        # segments that loading left partly used (FP8 weights quantized from bf16 ones leave
-        # some), which the parameters' size alone would miss. Later allocations reuse part of
-        # those: `_fit_kv_cache` corrects for what this over-counts.
-        torch.cuda.empty_cache()  # the profiled step's activations are counted apart
-        held = torch.cuda.memory_reserved(device)
-        outside_torch = gpu_memory_outside_torch(device) + LATE_RUNTIME_BYTES
-        # The decode graphs are captured after the KV cache is allocated: their memory is an
-        # estimate (the prefill graphs' pool was measured when they were captured).
-        graphs = 0
-        if not config.enforce_eager:
-            graphs = decode_graph_bytes(
-                config.max_num_seqs,
-                self.model_config.vocab_size,
-                self.runner.dtype.itemsize,
-                config.tensor_parallel_size,
-            )
-        kv = int(limit - held - activations - outside_torch - graphs)
-        # Other processes on the GPU (another engine replica sharing it) leave only what is free.
-        free = torch.cuda.mem_get_info(device)[0]
-        kv = min(kv, int(free - activations - graphs - LATE_RUNTIME_BYTES))
-        logger.info(
-            "GPU memory: limit %.2f GiB = held %.2f (weights %.2f, prefill graphs %.2f) + "
-            "activations %.2f + other %.2f + decode graphs %.2f + KV cache %.2f",
-            *(
-                x / 2**30
-                for x in (limit, held, weights, prefill_graphs, activations, outside_torch,
-                          graphs, kv)
-            ),
-        )  # fmt: skip
-        if kv <= 0:
-            raise ValueError(
-                f"no GPU memory left for the KV cache: the limit is {limit / 2**30:.2f} GiB and "
-                f"weights, graphs and activations already take "
-                f"{(held + activations + graphs) / 2**30:.2f} GiB; "
-                f"raise gpu_memory_utilization / gpu_memory_limit_gb or lower "
-                f"max_num_batched_tokens / max_num_seqs"
-            )
-        return kv
-
     # -- requests -----------------------------------------------------------------------------
 
     def make_sequence(
@@ -264,9 +152,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         return self.checker.make_sequence(request_id, prompt, params)
 
+    @property
+    def sequences(self) -> dict[str, Sequence]:
+        """The requests added and not finished yet, by request id."""
+        return self.output_processor.sequences
+
     def add_sequence(self, seq: Sequence) -> None:
-        self.sequences[seq.request_id] = seq
-        self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
+        self.output_processor.add(seq)
         self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
@@ -278,7 +170,7 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        return self._release(seq)
+        return self.output_processor.release(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -303,16 +195,10 @@ class LLMEngine:
                 return []
             flight = self._launch(step, [seq.samples_next_token for seq in step.seqs])
         self.scheduler.step_done(flight.step)
-        # Not right after a step that finished a request: its client's next request (a closed
-        # loop, a chat's next turn) often arrives within a step, and a step launched ahead would
-        # hold it back for one more. Unless a prompt of the typical length could not join that
-        # step anyway: the prompts already waiting leave no slot or no room for it, or
-        # space_admissions keeps the step for decoding.
-        if self.async_scheduling and (
-            not self._finished_last_step
-            or not self.scheduler.admits_another_prompt(self.config.expected_input_len)
-        ):
-            self._ahead = self._launch_ahead(flight)
+        if self.async_scheduling:
+            ahead = self.scheduler.schedule_ahead(flight.step, flight.wanted)
+            if ahead is not None:
+                self._ahead = self._launch_ahead(flight, ahead)
         tokens = flight.tokens.tolist()  # waits for the device
         now = time.monotonic()
         if flight.record is not None:
@@ -326,22 +212,7 @@ class LLMEngine:
             if self._step_log is not None:
                 self._step_log.write(record)
         self._last_step_end = now
-        outputs = []
-        for seq, token, wanted in zip(flight.step.seqs, tokens, flight.wanted, strict=True):
-            # Finished: aborted, or ended by the step before, while this one ran.
-            if not wanted or seq.is_finished:
-                continue
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.output_token_ids.append(token)
-            reason = self._append_text(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                outputs.append(self._release(seq))
-            else:
-                outputs.append(self._output(seq))
-        self._finished_last_step = any(out.finished for out in outputs)
-        return outputs
+        return self.output_processor.process(flight.step, tokens, flight.wanted, now)
 
     def _launch(
         self,
@@ -360,36 +231,13 @@ class LLMEngine:
         tokens = self.runner.sample_tokens(step, logits, wanted, decode_input_ids)
         return _Flight(step, wanted, tokens, start, launched, record)
 
-    def _launch_ahead(self, flight: _Flight) -> _Flight | None:
-        """Launch the next step before `flight`'s tokens reach the host, when it needs nothing
-        of them but the tokens themselves: its decode rows are fed `flight`'s sampled tokens on
-        the device, beside the waiting prompts that fit. Only when no prompt is being
-        prefilled in chunks, every row of `flight` sampled a token, and there is room without
-        preempting.
-        A sequence that `flight` finishes by length is left out; one that it ends with a stop
-        token or string has one token computed in vain. None when the next step must wait."""
-        scheduler = self.scheduler
-        if not all(flight.wanted):
-            return None
-        row_of = {seq: row for row, seq in enumerate(flight.step.seqs)}
-        rows, seqs = [], []
-        for seq in scheduler.running:
-            row = row_of.get(seq)
-            if row is None or seq.is_prefilling:
-                return None
-            # The token in flight is its last one?
-            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
-                continue
-            if len(seq) + 1 >= self.config.max_model_len:
-                continue
-            rows.append(row)
-            seqs.append(seq)
-        step = scheduler.schedule_ahead(seqs)
-        if not step:
-            return None
-        ids = flight.tokens.device_ids[to_device(rows, torch.int64, self.runner.device)]
+    def _launch_ahead(self, flight: _Flight, ahead: AheadStep) -> _Flight:
+        """Launch the step the scheduler chose to run before `flight`'s tokens reach the host:
+        its decode rows' inputs are `flight`'s sampled tokens, still on the device."""
+        ids = flight.tokens.device_ids[to_device(ahead.rows, torch.int64, self.runner.device)]
+        step = ahead.step
         # A decode row's input is the token in flight, not appended yet: its sample is wanted.
-        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(seqs)
+        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(step.decodes)
         return self._launch(step, wanted, ids)
 
     def _step_record(self, step: ScheduledStep) -> StepRecord:
@@ -405,55 +253,6 @@ class LLMEngine:
             ),
             seconds=0.0,
             launch_seconds=0.0,
-        )
-
-    def _append_text(self, seq: Sequence, token: int) -> str | None:
-        """Extend the text with the new token; the finish reason if the sequence is done."""
-        params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
-            return "stop"
-        new_text = self._detokenizers[seq.request_id].append(token)
-        if new_text:
-            seq.text += new_text
-            # Before min_tokens outputs, stop strings do not end the request (as in vLLM).
-            for stop in params.stop if len(seq.output_token_ids) > params.min_tokens else ():
-                # A stop string can only start inside the last len(new_text) + len(stop) chars.
-                at = seq.text.find(stop, max(0, len(seq.text) - len(new_text) - len(stop)))
-                if at != -1:
-                    seq.text = seq.text[:at]
-                    return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _release(self, seq: Sequence) -> RequestOutput:
-        output = self._output(seq)
-        output.finish_time = time.monotonic()
-        del self.sequences[seq.request_id]
-        del self._detokenizers[seq.request_id]
-        return output
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        kept = dict(zip((g.name for g in self.plan.groups), seq.prompt_kv_lens, strict=False))
-        kept_token_layers = sum(
-            len(g.layers) * n for g, n in zip(self.plan.groups, seq.prompt_kv_lens, strict=False)
-        )
-        prompt_token_layers = len(seq.prompt_token_ids) * self.model_config.num_hidden_layers
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            kv_tokens_per_group=kept,
-            compression_ratio=prompt_token_layers / kept_token_layers if kept_token_layers else 1.0,
-            num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
         )
 
     def stats(self) -> EngineStats:

@@ -1,8 +1,8 @@
 """Owns the model and the KV caches; turns a scheduled batch into tensors, runs it, samples.
 
 Under tensor parallelism every rank has a ModelRunner over its share of the model. Rank 0's
-prepares each step's host-side inputs (a StepBatch), hands them to the worker ranks, and every
-rank runs `execute`; only rank 0 samples.
+prepares each step's host-side inputs (a StepBatch, built by engine/batch_builder.py), hands
+them to the worker ranks, and every rank runs `execute`; only rank 0 samples.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -22,12 +21,12 @@ from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.every_rank import RankGroup, every_rank
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
+from sparse_core.engine.batch_builder import BatchBuilder, CachedChunks, PrefillBatch, StepBatch
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.device import resolve_device, resolve_dtype
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
-from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import (
@@ -46,41 +45,6 @@ from sparse_core.models.quantization import check_fp8_device, quantize_linear_la
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CachedChunks:
-    """Host side of a ChunkContext: the earlier chunks of the prompts a step continues."""
-
-    cu_seqlens_k: list[int]  # each prompt's keys: its cached tokens, then the step's
-    new_rows: list[int]
-    cached_rows: list[int]
-    cached_slots: list[list[int]]  # per group
-
-
-@dataclass
-class PrefillBatch:
-    """Host-side description of a step's prefill part."""
-
-    input_ids: list[int]
-    positions: list[int]
-    cu_seqlens: list[int]
-    max_seqlen: int
-    slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
-    # Per group, the prompts it compresses in this step: their bounds among the packed keys,
-    # where their window queries end, and where their kept tokens go.
-    compress_bounds: list[list[tuple[int, int]]]
-    compress_query_ends: list[list[int]]
-    compress_slots: list[list[int]]
-    cached: CachedChunks | None = None  # when the step continues chunked prompts
-
-
-@dataclass
-class StepBatch:
-    """Host-side description of one step (what rank 0 sends to the other ranks)."""
-
-    prefill: PrefillBatch | None
-    decode: DecodeBatch | None
 
 
 @contextlib.contextmanager
@@ -122,6 +86,7 @@ class ModelRunner:
         if config.fp8_kv_cache:
             check_fp8_device(self.device, f"kv_cache_dtype={config.kv_cache_dtype!r}")
         self.retention = KVRetention.build(model_config, config, sparsity, self.dtype)
+        self.batch_builder = BatchBuilder(self.retention)
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
         # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
@@ -195,13 +160,7 @@ class ModelRunner:
         possibly not computed yet), in `step.seqs` order. `decode_input_ids`: the decode rows'
         input tokens already on the device (sampled by a step not yet read back), instead of
         the sequences' last known tokens."""
-        batch = StepBatch(
-            self._prepare_prefill(step.prefills) if step.prefills else None,
-            self._prepare_decode(step.decodes, block_manager, decode_input_ids)
-            if step.decodes
-            else None,
-        )
-        return self.execute(batch)
+        return self.execute(self.batch_builder.build(step, block_manager, decode_input_ids))
 
     @torch.inference_mode()
     def sample_tokens(
@@ -259,62 +218,6 @@ class ModelRunner:
             hidden = self.model(token_ids, self._tensor(positions), meta, rows=logit_rows)
         return self.model.compute_logits(hidden)
 
-    def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
-        table, bs = seq.block_tables[group], self.block_size
-        return [table[i // bs] * bs + i % bs for i in range(count)]
-
-    def _prepare_prefill(self, seqs: list[Sequence]) -> PrefillBatch:
-        """Each sequence's scheduled tokens: a whole prefill (the prompt, plus outputs when
-        recomputing after preemption; or only its compressed prefix when the request sets
-        compress_prefix_len), or the next chunk of one.
-
-        A group that keeps fewer tokens than the prefill compresses it when its last token is
-        fed. A whole prefill's tokens then get slot -1 and a compression job instead: only the
-        kept tokens ever reach that group's pool. A chunked prefill stores every token, and its
-        last chunk's compression job writes the kept tokens over the front of its blocks.
-        """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        cu_seqlens = [0]
-        num_groups = len(self.retention.groups)
-        slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
-        compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
-        compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
-        compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
-        cached = CachedChunks([0], [], [], [[] for _ in range(num_groups)])
-        for seq in seqs:
-            first, n = seq.num_computed_tokens, seq.prefill_len
-            end = first + seq.num_scheduled_tokens
-            input_ids += seq.token_ids[first:end]
-            positions += range(first, end)
-            cu_seqlens.append(len(input_ids))
-            k_start = cached.cu_seqlens_k[-1]
-            cached.cu_seqlens_k.append(k_start + end)
-            cached.cached_rows += range(k_start, k_start + first)
-            cached.new_rows += range(k_start + first, k_start + end)
-            for g, group in enumerate(self.retention.groups):
-                if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
-                    slots = self._slots(seq, g, end)
-                    slot_mappings[g] += slots[first:]
-                    cached.cached_slots[g] += slots[:first]
-                else:
-                    slot_mappings[g] += [-1] * (end - first)
-                if end == n and group.compresses(n):
-                    compress_bounds[g].append((k_start, k_start + n))
-                    compress_query_ends[g].append(len(input_ids))
-                    compress_slots[g] += self._slots(seq, g, group.tokens_after_prefill(n))
-        return PrefillBatch(
-            input_ids,
-            positions,
-            cu_seqlens,
-            max(seq.num_scheduled_tokens for seq in seqs),
-            slot_mappings,
-            compress_bounds,
-            compress_query_ends,
-            compress_slots,
-            cached if cached.cached_rows else None,
-        )
-
     def _prefill_metadata(
         self, batch: PrefillBatch, selection: SelectionPolicy | None
     ) -> PrefillMetadata:
@@ -353,21 +256,6 @@ class ModelRunner:
             groups=groups,
             context=context,
             selection=selection,
-        )
-
-    def _prepare_decode(
-        self,
-        seqs: list[Sequence],
-        block_manager: BlockManager,
-        input_ids: torch.Tensor | None = None,
-    ) -> DecodeBatch:
-        num_groups = len(self.retention.groups)
-        return DecodeBatch(
-            input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
-            positions=[seq.num_computed_tokens for seq in seqs],
-            slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
-            block_tables=block_manager.batch_tables(seqs),
-            context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
         )
 
     def _decode_metadata(self, batch: DecodeBatch) -> DecodeMetadata:

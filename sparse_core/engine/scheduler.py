@@ -5,7 +5,8 @@ does not fit what is left of a step goes in chunks over several steps. A prompt 
 when every layer group has room for it; when a group runs out during decode, the newest sequence
 is preempted and recomputed later. With space_admissions, while sequences decode, a step in which
 a prompt ended its prefill (and goes on to decode) is followed by one that admits none
-(EngineConfig says why)."""
+(EngineConfig says why). With async scheduling the scheduler also decides whether, and what,
+the engine launches before the step in flight has its tokens read (`schedule_ahead`)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ class ScheduledStep:
         return bool(self.prefills or self.decodes)
 
 
+@dataclass
+class AheadStep:
+    """A step to launch before the one in flight has its tokens read."""
+
+    step: ScheduledStep
+    # Per decode row: its row in the step in flight, whose sampled token is its input.
+    rows: list[int]
+
+
 class Scheduler:
     def __init__(
         self, config: EngineConfig, block_manager: BlockManager, min_last_chunk: int
@@ -48,7 +58,12 @@ class Scheduler:
             )
         self.min_last_chunk = min_last_chunk
         self.space_admissions = config.space_admissions
+        self.max_model_len = config.max_model_len
+        self.expected_input_len = config.expected_input_len  # the next prompt's, when ahead
         self._decoding_starts = False  # a prompt ends its prefill in the last step scheduled
+        # A request finished (not aborted) since the last step_done / by the step before it.
+        self._finished_since_step_done = False
+        self._finished_last_step = False
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -90,7 +105,43 @@ class Scheduler:
         admitted = self._admit_spaced(budget, bool(decodes), prefills)
         return ScheduledStep(prefills + admitted, decodes)
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> ScheduledStep | None:
+    def schedule_ahead(self, in_flight: ScheduledStep, wanted: list[bool]) -> AheadStep | None:
+        """With async scheduling, after `step_done(in_flight)`: the next step, to launch before
+        `in_flight`'s tokens reach the host, when it needs nothing of them but the tokens
+        themselves: its decode rows are fed `in_flight`'s sampled tokens on the device, beside
+        the waiting prompts that fit. Only when no prompt is being prefilled in chunks, every
+        row of `in_flight` samples a token (`wanted`), and there is room without preempting.
+        A sequence that `in_flight` finishes by length is left out; one that it ends with a stop
+        token or string has one token computed in vain. None when the next step must wait.
+
+        Not right after a step that finished a request: its client's next request (a closed
+        loop, a chat's next turn) often arrives within a step, and a step launched ahead would
+        hold it back for one more. Unless a prompt of the typical length (expected_input_len)
+        could not join that step anyway: the prompts already waiting leave no slot or no room
+        for it, or space_admissions keeps the step for decoding."""
+        if self._finished_last_step and self.admits_another_prompt(self.expected_input_len):
+            return None
+        if not all(wanted):
+            return None
+        row_of = {seq: row for row, seq in enumerate(in_flight.seqs)}
+        rows, seqs = [], []
+        for seq in self.running:
+            row = row_of.get(seq)
+            if row is None or seq.is_prefilling:
+                return None
+            # The token in flight is its last one?
+            if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
+                continue
+            if len(seq) + 1 >= self.max_model_len:
+                continue
+            rows.append(row)
+            seqs.append(seq)
+        step = self._schedule_decodes(seqs)
+        if not step:
+            return None
+        return AheadStep(step, rows)
+
+    def _schedule_decodes(self, seqs: list[Sequence]) -> ScheduledStep | None:
         """A step for exactly these running sequences, done prefilling, and the waiting prompts
         that fit beside them (as in `schedule`), when every group has room for their next tokens
         (an empty step when there is nothing to run); None, changing nothing, when one would
@@ -147,7 +198,11 @@ class Scheduler:
         return admitted
 
     def step_done(self, step: ScheduledStep) -> None:
-        """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging."""
+        """Account the tokens the step fed; a prefill's last chunk ends a chunked one's staging.
+        Called as the step's tokens are about to be read: the requests finished since the last
+        call were finished by the step before."""
+        self._finished_last_step = self._finished_since_step_done
+        self._finished_since_step_done = False
         for seq in step.decodes:
             seq.num_computed_tokens += 1
         for seq in step.prefills:
@@ -222,7 +277,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark finished and free its blocks, wherever the sequence is."""
+        """Mark finished and free its blocks, wherever the sequence is. A finish other than an
+        abort holds the next step launched ahead back (`schedule_ahead`)."""
+        if reason != "abort":
+            self._finished_since_step_done = True
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)

@@ -1,0 +1,144 @@
+"""Rank 0's part of preparing a step: the scheduled sequences into a StepBatch, the host-side
+description of the step that every rank's ModelRunner.execute runs (rank 0 sends it to the
+other ranks under tensor parallelism)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparse_core.engine.cuda_graphs import DecodeBatch
+
+if TYPE_CHECKING:
+    import torch
+
+    from sparse_core.cache.block_manager import BlockManager
+    from sparse_core.cache.retention import KVRetention
+    from sparse_core.engine.scheduler import ScheduledStep
+    from sparse_core.engine.sequence import Sequence
+
+
+@dataclass
+class CachedChunks:
+    """Host side of a ChunkContext: the earlier chunks of the prompts a step continues."""
+
+    cu_seqlens_k: list[int]  # each prompt's keys: its cached tokens, then the step's
+    new_rows: list[int]
+    cached_rows: list[int]
+    cached_slots: list[list[int]]  # per group
+
+
+@dataclass
+class PrefillBatch:
+    """Host-side description of a step's prefill part."""
+
+    input_ids: list[int]
+    positions: list[int]
+    cu_seqlens: list[int]
+    max_seqlen: int
+    slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
+    # Per group, the prompts it compresses in this step: their bounds among the packed keys,
+    # where their window queries end, and where their kept tokens go.
+    compress_bounds: list[list[tuple[int, int]]]
+    compress_query_ends: list[list[int]]
+    compress_slots: list[list[int]]
+    cached: CachedChunks | None = None  # when the step continues chunked prompts
+
+
+@dataclass
+class StepBatch:
+    """Host-side description of one step (what rank 0 sends to the other ranks)."""
+
+    prefill: PrefillBatch | None
+    decode: DecodeBatch | None
+
+
+class BatchBuilder:
+    """Slots, block tables and compression jobs of a step's sequences, per layer group."""
+
+    def __init__(self, retention: KVRetention) -> None:
+        self.retention = retention
+
+    def build(
+        self,
+        step: ScheduledStep,
+        block_manager: BlockManager,
+        decode_input_ids: torch.Tensor | None = None,
+    ) -> StepBatch:
+        """`decode_input_ids`: the decode rows' input tokens already on the device (sampled by
+        a step not yet read back), instead of the sequences' last known tokens."""
+        return StepBatch(
+            self.prefill(step.prefills) if step.prefills else None,
+            self.decode(step.decodes, block_manager, decode_input_ids) if step.decodes else None,
+        )
+
+    def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
+        table, bs = seq.block_tables[group], self.retention.block_size
+        return [table[i // bs] * bs + i % bs for i in range(count)]
+
+    def prefill(self, seqs: list[Sequence]) -> PrefillBatch:
+        """Each sequence's scheduled tokens: a whole prefill (the prompt, plus outputs when
+        recomputing after preemption; or only its compressed prefix when the request sets
+        compress_prefix_len), or the next chunk of one.
+
+        A group that keeps fewer tokens than the prefill compresses it when its last token is
+        fed. A whole prefill's tokens then get slot -1 and a compression job instead: only the
+        kept tokens ever reach that group's pool. A chunked prefill stores every token, and its
+        last chunk's compression job writes the kept tokens over the front of its blocks.
+        """
+        input_ids: list[int] = []
+        positions: list[int] = []
+        cu_seqlens = [0]
+        num_groups = len(self.retention.groups)
+        slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
+        compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
+        compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
+        cached = CachedChunks([0], [], [], [[] for _ in range(num_groups)])
+        for seq in seqs:
+            first, n = seq.num_computed_tokens, seq.prefill_len
+            end = first + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[first:end]
+            positions += range(first, end)
+            cu_seqlens.append(len(input_ids))
+            k_start = cached.cu_seqlens_k[-1]
+            cached.cu_seqlens_k.append(k_start + end)
+            cached.cached_rows += range(k_start, k_start + first)
+            cached.new_rows += range(k_start + first, k_start + end)
+            for g, group in enumerate(self.retention.groups):
+                if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
+                    slots = self._slots(seq, g, end)
+                    slot_mappings[g] += slots[first:]
+                    cached.cached_slots[g] += slots[:first]
+                else:
+                    slot_mappings[g] += [-1] * (end - first)
+                if end == n and group.compresses(n):
+                    compress_bounds[g].append((k_start, k_start + n))
+                    compress_query_ends[g].append(len(input_ids))
+                    compress_slots[g] += self._slots(seq, g, group.tokens_after_prefill(n))
+        return PrefillBatch(
+            input_ids,
+            positions,
+            cu_seqlens,
+            max(seq.num_scheduled_tokens for seq in seqs),
+            slot_mappings,
+            compress_bounds,
+            compress_query_ends,
+            compress_slots,
+            cached if cached.cached_rows else None,
+        )
+
+    def decode(
+        self,
+        seqs: list[Sequence],
+        block_manager: BlockManager,
+        input_ids: torch.Tensor | None = None,
+    ) -> DecodeBatch:
+        num_groups = len(self.retention.groups)
+        return DecodeBatch(
+            input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
+            positions=[seq.num_computed_tokens for seq in seqs],
+            slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
+            block_tables=block_manager.batch_tables(seqs),
+            context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
+        )
