@@ -5,7 +5,8 @@
 #   bash scripts/eval_gpu_bundle.sh [DIR]        (default: .bench/eval-bundle, git-ignored)
 #
 #   DIR/site/gguf/                  the gguf package (pure Python; our GGUF loader and
-#                                   transformers' GGUF tokenizer both import it)
+#                                   transformers' GGUF tokenizer both import it), and its
+#                                   dist-info, where transformers reads its version
 #   DIR/data/lee_background.cor     the English haystack text (KVSPARSE_EVAL_DATA)
 #   DIR/model/<file>.gguf.part-NN   the SmolLM2-135M-Instruct GGUF file in parts of at most
 #                                   PART_MB MiB, and SHA256SUMS with the whole file's checksum
@@ -26,7 +27,8 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp" "gguf==$GGUF_VERSION"
 "$PY" -m zipfile -e "$tmp"/gguf-*.whl "$tmp/wheel"
-cp -r "$tmp/wheel/gguf" "$DIR/site/"
+# With its dist-info: without it, transformers cannot read the version and refuses the file.
+cp -r "$tmp/wheel/gguf" "$tmp"/wheel/gguf-*.dist-info "$DIR/site/"
 
 # The corpus file as the suite finds it (downloaded into its cache on first use).
 corpus=$("$PY" -c "
