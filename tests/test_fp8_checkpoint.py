@@ -73,7 +73,7 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     bf16, fp8 = root / "bf16", root / "fp8-dynamic"
     model.save_pretrained(bf16)
     config = QuantizationConfig(config_groups={"FP8_DYNAMIC": ["Linear"]}, ignore=["lm_head"])
-    apply_quantization_config(model, config, show_progress=False)
+    apply_quantization_config(model, config)
     for module in model.modules():
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
