@@ -55,6 +55,10 @@ def _packed(
     return q, k, v, cu.to(DEVICE)
 
 
+def _cache_name(cache_dtype: torch.dtype) -> str:
+    return "fp8" if cache_dtype == FP8_DTYPE else "bf16"
+
+
 def _paged(context_lens: list[int], cache_dtype: torch.dtype = DTYPE):
     """K/V caches of `cache_dtype` holding exactly these contexts in shuffled pages, and the
     table."""
@@ -142,19 +146,24 @@ def run_checks() -> list[dict[str, Any]]:
             1e-3,
         )
 
-    for batch, context in [(64, 4500), (2, 4500), (32, 512), (1, 4500)]:
+    for batch, context, cache_dtype in [
+        (64, 4500, DTYPE),
+        (2, 4500, DTYPE),
+        (32, 512, DTYPE),
+        (1, 4500, DTYPE),
+        (64, 4500, FP8_DTYPE),
+    ]:
         lens = (context - torch.randint(0, 64, (batch,))).tolist()
-        k_cache, v_cache, table, lens_t = _paged(lens)
+        k_cache, v_cache, table, lens_t = _paged(lens, cache_dtype)
         q = _randn(batch, NUM_Q, HEAD_DIM)
         splits = tk.decode_num_splits(batch, NUM_KV, max(lens), q.device)
         got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
         want = ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
-        record(f"paged_decode B={batch} ctx~{context} splits={splits}", _max_err(got, want), 2e-2)
-    k_cache, v_cache, table, lens_t = _paged([4500] * 64, FP8_DTYPE)
-    q = _randn(64, NUM_Q, HEAD_DIM)
-    got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
-    want = ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
-    record("paged_decode fp8 cache B=64 ctx=4500", _max_err(got, want), 2e-2)
+        record(
+            f"paged_decode {_cache_name(cache_dtype)} cache B={batch} ctx~{context} splits={splits}",
+            _max_err(got, want),
+            2e-2,
+        )
 
     budget = 512
     k, v = _randn(n, NUM_KV, HEAD_DIM), _randn(n, NUM_KV, HEAD_DIM)
@@ -300,7 +309,7 @@ def bench_decode(
     ms_no_split = run(1) if splits > 1 else ms
     gbs = kv_bytes / ms / 1e6
     return {
-        "cache": "fp8" if cache_dtype == FP8_DTYPE else "bf16",
+        "cache": _cache_name(cache_dtype),
         "batch": batch,
         "context": context,
         "splits": splits,
