@@ -7,14 +7,13 @@ import os
 import pytest
 import torch
 
-# Without CUDA, Triton kernels run in Triton's interpreter. It is read when a kernel module is
-# imported, so it is set before anything imports ours: a test importing the kernels late would
-# otherwise reload one module against helpers compiled for the GPU (tests/triton_setup.py).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.triton_setup import use_interpreter_without_cuda
 
-from sparse_core import LLM, SparsityConfig
-from sparse_core.models.loader import builtin_model_path
+# Before anything imports our modules: Triton reads it as a kernel module is imported.
+use_interpreter_without_cuda()
+
+from sparse_core import LLM, SparsityConfig  # noqa: E402
+from sparse_core.models.loader import builtin_model_path  # noqa: E402
 
 # Two-core CI machines: more threads than cores only adds contention.
 torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))

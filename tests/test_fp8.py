@@ -123,7 +123,7 @@ def test_triton_quantization_matches_quantize_rows():
     """The fused kernel (compiled on a GPU, interpreted on CPU) against the torch version."""
     from tests.triton_setup import DEVICE, import_kernels
 
-    kernels = import_kernels("sparse_core.kernels.triton_fp8", "_quantize_rows_kernel")
+    kernels = import_kernels("sparse_core.kernels.triton_fp8")
     x = torch.randn(5, 3000, device=DEVICE, dtype=torch.float32) * torch.logspace(
         -2, 2, 5, device=DEVICE
     ).unsqueeze(1)

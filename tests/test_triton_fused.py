@@ -11,7 +11,7 @@ import torch
 from sparse_core.kernels import reference as ref
 from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
-tf = import_kernels("sparse_core.kernels.triton_fused", "_rms_norm_kernel")
+tf = import_kernels("sparse_core.kernels.triton_fused")
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}

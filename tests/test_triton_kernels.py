@@ -19,7 +19,7 @@ from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.models.attention import ChunkContext
 from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
-tk = import_kernels("sparse_core.kernels.triton_kernels", "_prefill_kernel")
+tk = import_kernels("sparse_core.kernels.triton_kernels")
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
