@@ -8,7 +8,10 @@
    - paged decode attention at batch 1..128 over 4500-token dense and 512-token compressed
      contexts, with a bf16 and an FP8 (e4m3) cache, as achieved GB/s (K+V bytes read / time)
      and as a fraction of the measured device-copy bandwidth (the roofline), with and without
-     split-K.
+     split-K;
+   - FP8 linear layers (Llama-3-8B's four projections) at decode batch sizes: `_scaled_mm` with
+     row-wise scales against the unscaled matmul plus the scaling kernel, as weight bytes read
+     per second and as a fraction of the roofline.
 Kernel times are GPU time per call: the calls are captured in a CUDA graph and replayed (as the
 engine's decode step is), each on its own copy of the inputs until the copies exceed the L2
 cache, so launch overhead and L2 hits do not flatter small kernels. Needs only torch and triton.
@@ -30,8 +33,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparse_core.config import CUDA_BLOCK_SIZE
 from sparse_core.kernels import reference as ref
+from sparse_core.kernels import triton_fp8
 from sparse_core.kernels import triton_kernels as tk
-from sparse_core.kernels.fp8 import FP8_DTYPE
+from sparse_core.kernels.fp8 import FP8_DTYPE, quantize_rows
 
 NUM_Q, NUM_KV, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 DTYPE = torch.bfloat16
@@ -321,6 +325,39 @@ def bench_decode(
     }
 
 
+# Llama-3-8B's FP8 projections (in features, out features): qkv, o, gate_up, down.
+LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                 "down": (14336, 4096)}  # fmt: skip
+
+
+def _linear_calls(
+    x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, cap: int
+) -> list[Callable[[], Any]]:
+    return [lambda w=w, s=s: triton_fp8.fp8_linear_cuda(x, w, s, out, cap) for w, s in weights]
+
+
+def bench_fp8_linear(rows: int, copy_gbs: float) -> list[dict[str, Any]]:
+    """Both routes of `fp8_linear_cuda` at `rows` tokens, checked against each other first."""
+    results = []
+    for name, (k, n) in LINEAR_SHAPES.items():
+        weights = [quantize_rows(_randn(n, k)) for _ in range(_num_copies(n * k))]
+        x = _randn(rows, k)
+        out = torch.empty(rows, n, device=DEVICE, dtype=DTYPE)
+
+        row_wise, unscaled = (_linear_calls(x, weights, out, cap) for cap in (0, rows))
+        row_wise[0]()
+        want = out.clone()
+        unscaled[0]()
+        err = (out.float() - want.float()).norm().item() / want.float().norm().item()
+        ms = {"row_wise": _time_ms(row_wise), "unscaled_then_scaled": _time_ms(unscaled)}
+        results.append({
+            "layer": name, "rows": rows, "in": k, "out": n, "rel_diff": err,
+            **{f"{route}_us": t * 1e3 for route, t in ms.items()},
+            **{f"{route}_roofline_frac": n * k / t / 1e6 / copy_gbs for route, t in ms.items()},
+        })  # fmt: skip
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", metavar="PATH", help="write all results as JSON")
@@ -342,6 +379,7 @@ def main() -> None:
         for c in (4500, 512)
         for b in (1, 8, 32, 64, 128)
     ]
+    fp8_linear = [r for rows in (1, 16, 49, 64, 128, 256) for r in bench_fp8_linear(rows, copy_gbs)]
 
     print(f"\ndevice copy bandwidth: {copy_gbs:.0f} GB/s")
     print(
@@ -365,6 +403,16 @@ def main() -> None:
             f"{r['ms'] * 1e3:>8.1f} {r['ms_no_split'] * 1e3:>10.1f} {r['gb_per_s']:>6.0f} "
             f"{r['roofline_frac']:>8.0%}"
         )
+    print("\nFP8 linear (weight bytes / time): _scaled_mm row-wise vs unscaled + scaling kernel")
+    print(
+        f"{'layer':>8} {'rows':>5} {'row-wise µs':>11} {'unscaled µs':>11} {'roofline':>13} {'diff':>8}"
+    )
+    for r in fp8_linear:
+        print(
+            f"{r['layer']:>8} {r['rows']:>5} {r['row_wise_us']:>11.1f} "
+            f"{r['unscaled_then_scaled_us']:>11.1f} {r['row_wise_roofline_frac']:>6.0%} -> "
+            f"{r['unscaled_then_scaled_roofline_frac']:<5.0%} {r['rel_diff']:>8.1e}"
+        )
     failed = [c["check"] for c in checks if not c["pass"]]
     if checks:
         fails = f"; FAIL: {', '.join(failed)}" if failed else ""
@@ -380,6 +428,7 @@ def main() -> None:
             "prefill": prefill,
             "scoring": scoring,
             "decode": decode,
+            "fp8_linear": fp8_linear,
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -34,9 +34,8 @@ def start_kv_cache(runner: ModelRunner, config: EngineConfig, vocab_size: int) -
     # The activation profile runs eagerly, before any graph exists.
     activations = _profile_activations(runner, config)
     prefill_graphs = runner.capture_prefill_graphs()
-    return fit_kv_cache(
-        runner, config, kv_cache_bytes(runner, config, vocab_size, activations, prefill_graphs)
-    )
+    kv_bytes = kv_cache_bytes(runner, config, vocab_size, activations, prefill_graphs)
+    return fit_kv_cache(runner, config, kv_bytes, activations)
 
 
 def _profile_activations(runner: ModelRunner, config: EngineConfig) -> int:
@@ -62,19 +61,26 @@ def _allocate_kv_cache(runner: ModelRunner, config: EngineConfig, kv_bytes: int)
     return blocks
 
 
-def fit_kv_cache(runner: ModelRunner, config: EngineConfig, kv_bytes: int) -> list[int]:
+def fit_kv_cache(
+    runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int
+) -> list[int]:
     """Allocate the KV cache sized at start-up; if the process then holds more or less GPU
-    memory than its limit (by over REFIT_SLACK_BYTES: what the allocator reuses, and the
-    decode graphs, are estimates), allocate it once more, corrected by the difference, so
-    that the whole process, CUDA context included, fits the limit as it would a card of
-    that size. Returns the blocks per group."""
+    memory than its limit leaves beside the largest step's `activations` (by over
+    REFIT_SLACK_BYTES: what the allocator reuses, and the decode graphs, are estimates),
+    allocate it once more, corrected by the difference, so that the whole process, CUDA
+    context included, fits the limit as it would a card of that size. Returns the blocks per
+    group."""
     blocks = _allocate_kv_cache(runner, config, kv_bytes)
     if not _sized_by_gpu_memory(runner, config):
         return blocks
     device = runner.device
     used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)
-    room = int(gpu_memory_limit(runner, config) - used) - LATE_RUNTIME_BYTES
-    room = min(room, torch.cuda.mem_get_info(device)[0] - LATE_RUNTIME_BYTES)
+    # The profiled step's activations were released before the cache was allocated: a step
+    # takes them again, from the allocator's free blocks first and new segments for the rest.
+    free_in_allocator = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    to_come = max(activations - free_in_allocator, 0)
+    room = int(gpu_memory_limit(runner, config) - used - to_come) - LATE_RUNTIME_BYTES
+    room = min(room, torch.cuda.mem_get_info(device)[0] - to_come - LATE_RUNTIME_BYTES)
     if abs(room) <= REFIT_SLACK_BYTES:
         return blocks
     logger.info(
