@@ -176,8 +176,9 @@ def test_memory_limit_caps_the_whole_process(fp8: bool):
     limit_gb = 4
     fp8_args = ', quantization="fp8", kv_cache_dtype="fp8"' if fp8 else ""
     script = f"""
-import json, torch
+import json, logging, torch
 from sparse_core import LLM, SamplingParams, SparsityConfig
+logging.basicConfig(level=logging.INFO)
 from sparse_core.engine.gpu_memory import peak_process_gpu_bytes
 llm = LLM("dummy:smollm2-135m", device="cuda", gpu_memory_limit_gb={limit_gb}, max_model_len=2048,
           max_num_batched_tokens=65536, max_num_seqs=64,
@@ -201,6 +202,7 @@ print(json.dumps({{"used": total - free, "ready": ready[1] - ready[0], "kv": kv,
     assert result["kv"] > 2**28  # the cache took what the limit leaves, not a token amount
     # The child's own share of the device, at start and after its largest step: everything in
     # use minus what this process holds; and its allocator's peak plus what it holds beside.
-    assert result["ready"] - held_here <= limit_gb * 2**30
-    assert result["used"] - held_here <= limit_gb * 2**30
-    assert result["peak"] <= limit_gb * 2**30
+    log = "\n".join(line for line in proc.stderr.splitlines() if "GPU memory" in line)
+    assert result["ready"] - held_here <= limit_gb * 2**30, log
+    assert result["used"] - held_here <= limit_gb * 2**30, log
+    assert result["peak"] <= limit_gb * 2**30, log

@@ -23,7 +23,8 @@ CPU_DEFAULT_KV_CACHE_GB = 2.0
 # on first use and library workspaces; without this margin a process at its limit ends up
 # above it (docs/benchmarks.md, "Engine internals").
 LATE_RUNTIME_BYTES = 64 * 2**20
-# How far from its memory limit a started engine may be before its KV cache is resized.
+# How far below its memory limit a started engine may be before its KV cache is enlarged (above
+# it, the cache is always made smaller).
 REFIT_SLACK_BYTES = 256 * 2**20
 
 
@@ -64,9 +65,9 @@ def _allocate_kv_cache(runner: ModelRunner, config: EngineConfig, kv_bytes: int)
 def fit_kv_cache(
     runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int
 ) -> list[int]:
-    """Allocate the KV cache sized at start-up; if the process then holds more or less GPU
-    memory than its limit leaves beside the largest step's `activations` (by over
-    REFIT_SLACK_BYTES: what the allocator reuses, and the decode graphs, are estimates),
+    """Allocate the KV cache sized at start-up; if the process then holds more GPU memory than
+    its limit leaves beside the largest step's `activations`, or less by over
+    REFIT_SLACK_BYTES (what the allocator reuses, and the decode graphs, are estimates),
     allocate it once more, corrected by the difference, so that the whole process, CUDA
     context included, fits the limit as it would a card of that size. Returns the blocks per
     group."""
@@ -75,13 +76,12 @@ def fit_kv_cache(
         return blocks
     device = runner.device
     used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)
-    # The profiled step's activations were released before the cache was allocated: a step
-    # takes them again, from the allocator's free blocks first and new segments for the rest.
-    free_in_allocator = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    to_come = max(activations - free_in_allocator, 0)
-    room = int(gpu_memory_limit(runner, config) - used - to_come) - LATE_RUNTIME_BYTES
-    room = min(room, torch.cuda.mem_get_info(device)[0] - to_come - LATE_RUNTIME_BYTES)
-    if abs(room) <= REFIT_SLACK_BYTES:
+    # The profiled step's activations were released before the cache was allocated; a step
+    # takes them again. (The allocator's cached free blocks are not counted on: much of them
+    # belongs to the CUDA graphs' private pools, which eager steps cannot use.)
+    room = int(gpu_memory_limit(runner, config) - used - activations) - LATE_RUNTIME_BYTES
+    room = min(room, torch.cuda.mem_get_info(device)[0] - activations - LATE_RUNTIME_BYTES)
+    if 0 <= room <= REFIT_SLACK_BYTES:
         return blocks
     logger.info(
         "GPU memory after start-up: %.2f GiB; KV cache resized by %+.2f GiB to fit the limit",
