@@ -74,6 +74,20 @@ def fit_kv_cache(
     blocks = _allocate_kv_cache(runner, config, kv_bytes)
     if not _sized_by_gpu_memory(runner, config):
         return blocks
+    blocks = _refit_kv_cache(runner, config, kv_bytes, activations, blocks)
+    # The allocator holds no more than the limit leaves beside what the process holds outside
+    # it: at that cap it returns cached free blocks to the device before it takes more (as it
+    # would on a card of that size), rather than growing past the limit by what it caches.
+    limit = gpu_memory_limit(runner, config)
+    runner.cap_allocator(int(limit - gpu_memory_outside_torch(runner.device)) - LATE_RUNTIME_BYTES)
+    return blocks
+
+
+def _refit_kv_cache(
+    runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int, blocks: list[int]
+) -> list[int]:
+    """The cache allocated again, by how far the process is from its limit, if it is over it
+    or under it by more than REFIT_SLACK_BYTES; else `blocks` as they are."""
     device = runner.device
     used = torch.cuda.memory_reserved(device) + gpu_memory_outside_torch(device)
     # The profiled step's activations were released before the cache was allocated; a step

@@ -139,6 +139,14 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @every_rank
+    def cap_allocator(self, max_bytes: int) -> None:
+        """Torch's allocator on this rank's GPU holds at most `max_bytes`: past it, it frees
+        its cached blocks and retries before it reports out of memory."""
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+            torch.cuda.set_per_process_memory_fraction(min(max_bytes / total, 1.0), self.device)
+
+    @every_rank
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the decode graphs that read it, back to the device (before
         allocating it again at another size)."""
