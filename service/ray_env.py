@@ -7,8 +7,9 @@ import os
 # Environment of every process of the Ray cluster (controller, proxies, replicas), read when Ray
 # Serve is imported there: `kvsparse serve --ray` sets it before it starts its cluster, the Helm
 # chart and k8s/ in every Ray container. Throughput-optimized mode runs replica code on the event
-# loop instead of a thread, buffers access logs, sends requests between deployments over gRPC, and
-# serves HTTP from the ingress replicas directly.
+# loop instead of a thread, buffers access logs and sends requests between deployments over gRPC.
+# (It also gives each ingress replica an HTTP port of its own, but clients of the configured port
+# still go through Serve's proxy: docs/serving.md, "Ray Serve at full speed".)
 SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 
