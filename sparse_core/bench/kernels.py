@@ -21,6 +21,7 @@ cache, so launch overhead and L2 hits do not flatter small kernels. Needs only t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -202,7 +203,37 @@ def run_checks() -> list[dict[str, Any]]:
         max(_max_err(caches[0], caches[2]), _max_err(caches[1], caches[3])),
         0.0,
     )
+    for lens in ([1000] * 65, [8000] * 8):
+        record(
+            f"snapkv kept rows, {len(lens)} prompts of {lens[0]} (fraction differing)",
+            _selection_mismatch(lens, budget=lens[0] // 4),
+            1e-2,
+        )
     return results
+
+
+def _selection_mismatch(lens: list[int], budget: int) -> float:
+    """The fraction of SnapKV's kept rows that differ between the GPU path (the prefill
+    kernel's LSE, Triton scoring and selection) and the reference path, at the accuracy
+    suite's shapes: SmolLM2's 9/3 heads of 64, bf16, a full step of prompts whose first token
+    draws most of the attention (as real models' attention sinks do)."""
+    from sparse_core.config import SparsityConfig
+    from sparse_core.kernels import REFERENCE_OPS, get_ops
+    from sparse_core.selection import PromptBatch, selection_policy
+
+    q, k, v, cu = _packed(lens, 9, 3, 64)
+    sink = torch.randn(64, device=DEVICE)
+    sink = sink / sink.norm() * 8
+    q += sink.to(DTYPE)
+    k[cu[:-1].long()] = (4 * sink).to(DTYPE)
+    scale = 64**-0.5
+    _, lse = tk.prefill_attention(q, k, v, cu, scale, max(lens))
+    bounds = list(itertools.pairwise(cu.tolist()))
+    prompts = PromptBatch.from_bounds(bounds, q.device)
+    snapkv = SparsityConfig(policy="snapkv", budget=budget)
+    got = selection_policy(snapkv, get_ops(q.device)).select(q, k, lse, prompts, budget, scale)
+    want = selection_policy(snapkv, REFERENCE_OPS).select(q, k, None, prompts, budget, scale)
+    return (got != want).float().mean().item()
 
 
 # --- 2. timing ----------------------------------------------------------------------------------
