@@ -378,19 +378,27 @@ def test_rotate_and_store_kv_on_qkv_views(dtype, num_q, num_kv, head_dim):
 
 
 def _rotate_store_and_decode_case(
-    context_lens: list[int], num_q: int, num_kv: int, head_dim: int, block_size: int, dtype
+    context_lens: list[int],
+    num_q: int,
+    num_kv: int,
+    head_dim: int,
+    block_size: int,
+    dtype,
+    dropped: int = 0,
 ):
     """A decode step's inputs: paged caches holding each sequence's earlier tokens, its new
-    token's q, k, v as views of one qkv tensor, at position context_len - 1, stored at that
-    position's slot (the second sequence's at -1: not stored, its stale cache row read)."""
+    token's q, k, v as views of one qkv tensor, at position context_len - 1 + dropped (a
+    compressed layer's cache holds fewer tokens than the sequence has), stored in the cache's
+    last row (the second sequence's at -1: not stored, its stale cache row read)."""
     k_cache, v_cache, table, lens = _paged(context_lens, num_kv, head_dim, block_size, dtype)
-    positions = torch.tensor(context_lens, device=DEVICE) - 1
-    pages = table.long().gather(1, (positions // block_size).unsqueeze(1)).squeeze(1)
-    slots = pages * block_size + positions % block_size
+    rows = torch.tensor(context_lens, device=DEVICE) - 1
+    pages = table.long().gather(1, (rows // block_size).unsqueeze(1)).squeeze(1)
+    slots = pages * block_size + rows % block_size
     if len(context_lens) > 1:
         slots[1] = -1
+    positions = rows + dropped
     qkv = _randn(len(context_lens), (num_q + 2 * num_kv) * head_dim, dtype=dtype)
-    cos, sin = _rope_tables(head_dim, max(context_lens))
+    cos, sin = _rope_tables(head_dim, max(context_lens) + dropped)
     return qkv, positions, cos, sin, k_cache, v_cache, slots, table, lens
 
 
@@ -417,13 +425,18 @@ def _check_rotate_store_and_decode(case, num_q, num_kv, head_dim, dtype, **kwarg
 @pytest.mark.parametrize("num_q,num_kv", [(2, 2), (8, 2)])
 # 8: key tiles gathered per token; 16: one page number per tile (CPU tiles hold 16 keys).
 @pytest.mark.parametrize("block_size", [8, 16])
+# 0: a whole layer (position = cache length - 1); 300: a compressed one, 300 tokens dropped.
+@pytest.mark.parametrize("dropped", [0, 300])
 def test_rotate_store_and_decode_matches_reference(
-    dtype: torch.dtype, num_splits: int | None, num_q: int, num_kv: int, block_size: int
-) -> None:
+    dtype: torch.dtype, num_splits: int | None, num_q: int, num_kv: int, block_size: int,
+    dropped: int,
+) -> None:  # fmt: skip
     """Attention reads each sequence's new key and value, rotated and stored in the same call,
     whether the context ends inside a tile, on its first key, or after one key."""
     torch.manual_seed(num_q + block_size + num_splits)
-    case = _rotate_store_and_decode_case([37, 3, 17, 1], num_q, num_kv, 32, block_size, dtype)
+    case = _rotate_store_and_decode_case(
+        [37, 3, 17, 1], num_q, num_kv, 32, block_size, dtype, dropped
+    )
     _check_rotate_store_and_decode(case, num_q, num_kv, 32, dtype, num_splits=num_splits)
 
 
