@@ -495,13 +495,23 @@ def test_store_selected_kv_is_gather_then_store(num_kv: int) -> None:
 
 
 @pytest.mark.parametrize("pooling", ["avg", "max", "none"])
-@pytest.mark.parametrize("lengths", [[150], [41, 97, 64]])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [150],
+        [41, 97, 64],
+        # Prompts of several 1,024-key tiles, as compiled on a GPU (the interpreter's tiles hold
+        # 16 keys, so the short prompts cross tiles there already).
+        pytest.param([4000, 2500, 1100], marks=needs_cuda),
+    ],
+)
 @pytest.mark.parametrize("tied", [False, True])
 def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], tied: bool) -> None:
     """Pooling, top-k and the kept rows of several prompts in one launch, exactly the torch
     selection's; with scores of a few distinct values, ties go to the earlier token as there."""
     torch.manual_seed(len(lengths) + 3 * tied)
-    window, sinks, budget, num_kv = 8, 3, 40, 2
+    window, sinks, num_kv = 8, 3, 2
+    budget = 40 if max(lengths) < 1000 else 500
     scores = [
         torch.randint(0, 4, (num_kv, n - window), device=DEVICE).float()
         if tied
