@@ -824,3 +824,21 @@ def test_gpu_select_kept_rows_of_4000_and_2500_tokens(pooling: str) -> None:
         7,
     )
     assert torch.equal(tk.select_kept_rows(*args), ref.select_kept_rows(*args))
+
+
+def test_reference_kernels_swap_in_by_name(monkeypatch) -> None:
+    """$KVSPARSE_REFERENCE_KERNELS takes the named kernels of a GPU's set from the reference
+    (to find which kernel a wrong GPU result comes from); a name that is no kernel is refused."""
+    from sparse_core import kernels
+
+    triton_ops = kernels._triton_ops()
+    ops = kernels.with_reference_kernels(triton_ops, "store_selected_kv, paged_decode_attention")
+    assert ops.store_selected_kv is ref.store_selected_kv
+    assert ops.paged_decode_attention is ref.paged_decode_attention
+    assert ops.prefill_attention is tk.prefill_attention
+    assert kernels.with_reference_kernels(triton_ops, "") is triton_ops
+    assert kernels.with_reference_kernels(triton_ops, "all") is kernels.REFERENCE_OPS
+    with pytest.raises(ValueError, match=r"unknown kernel\(s\) \['store_everything'\]"):
+        kernels.with_reference_kernels(triton_ops, "store_kv,store_everything")
+    monkeypatch.setenv(kernels.REFERENCE_KERNELS_ENV, "rms_norm")
+    assert kernels.get_ops(torch.device("cuda")).rms_norm is ref.rms_norm

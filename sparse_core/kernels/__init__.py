@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,11 +75,40 @@ def _triton_ops() -> KernelOps:
     )
 
 
+# KernelOps fields (comma-separated, or "all") that run through `reference` even on a GPU: to
+# find which kernel a wrong result on the GPU comes from, swap them in one at a time under the
+# real workload (with enforce_eager: the reference kernels may read values back to the host,
+# which a CUDA graph cannot capture).
+REFERENCE_KERNELS_ENV = "KVSPARSE_REFERENCE_KERNELS"
+
+
 def get_ops(device: torch.device) -> KernelOps:
-    """Triton on CUDA devices, plain torch elsewhere."""
+    """Triton on CUDA devices (but for the kernels $KVSPARSE_REFERENCE_KERNELS names), plain
+    torch elsewhere."""
     if device.type == "cuda":
-        return _triton_ops()
+        return with_reference_kernels(_triton_ops(), os.environ.get(REFERENCE_KERNELS_ENV, ""))
     return REFERENCE_OPS
+
+
+def with_reference_kernels(ops: KernelOps, names: str) -> KernelOps:
+    """`ops` with the kernels in `names` (comma-separated KernelOps fields, or "all") taken from
+    the reference set."""
+    wanted = {name.strip() for name in names.split(",") if name.strip()}
+    if not wanted:
+        return ops
+    if wanted == {"all"}:
+        return REFERENCE_OPS
+    known = {f.name for f in dataclasses.fields(KernelOps)} - {"name"}
+    if wanted - known:
+        raise ValueError(
+            f"{REFERENCE_KERNELS_ENV}: unknown kernel(s) {sorted(wanted - known)}; "
+            f"known: {sorted(known)} or 'all'"
+        )
+    return dataclasses.replace(
+        ops,
+        name=f"{ops.name} with {', '.join(sorted(wanted))} from {REFERENCE_OPS.name}",
+        **{name: getattr(REFERENCE_OPS, name) for name in wanted},
+    )
 
 
 def kernel_first_launch_seconds() -> float:
