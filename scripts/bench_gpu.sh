@@ -60,23 +60,23 @@ step_tests() {
 }
 
 step_cap24() {
-    python3 -m service.cli bench throughput --policies dense,snapkv,pyramid \
+    python3 -m sparse_core.cli bench throughput --policies dense,snapkv,pyramid \
         --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_cap24.json" 2>"$OUT/throughput_cap24.log"
 }
 
 step_cap24-fp8() {
-    python3 -m service.cli bench throughput --policies dense,snapkv --quantization fp8 \
+    python3 -m sparse_core.cli bench throughput --policies dense,snapkv --quantization fp8 \
         --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_cap24_fp8.json" 2>"$OUT/throughput_cap24_fp8.log"
 }
 
 step_cap24-fp8kv() {
     local fp8="--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-limit-gb 24"
-    python3 -m service.cli bench throughput --policies dense,snapkv $fp8 \
+    python3 -m sparse_core.cli bench throughput --policies dense,snapkv $fp8 \
         --num-prompts "$NUM_PROMPTS" --json "$OUT/throughput_cap24_fp8kv.json" \
         2>"$OUT/throughput_cap24_fp8kv.log"
-    python3 -m service.cli bench throughput --policies snapkv --full-layers 11 $fp8 \
+    python3 -m sparse_core.cli bench throughput --policies snapkv --full-layers 11 $fp8 \
         --num-prompts "$NUM_PROMPTS" --json "$OUT/throughput_cap24_fp8kv_third.json" \
         2>"$OUT/throughput_cap24_fp8kv_third.log"
 }
@@ -84,7 +84,7 @@ step_cap24-fp8kv() {
 step_cap24-budgets() {
     local r
     for r in ${BUDGET_TARGETS:-2 3 4}; do
-        python3 -m service.cli bench throughput --policies snapkv --layer-budgets auto \
+        python3 -m sparse_core.cli bench throughput --policies snapkv --layer-budgets auto \
             --target-compression "$r" --gpu-memory-limit-gb 24 --num-prompts "$NUM_PROMPTS" \
             --json "$OUT/throughput_cap24_budgets${r}x.json" \
             2>"$OUT/throughput_cap24_budgets${r}x.log"
@@ -92,7 +92,7 @@ step_cap24-budgets() {
 }
 
 step_uncapped() {
-    python3 -m service.cli bench throughput --policies dense,snapkv --num-prompts "$NUM_PROMPTS" \
+    python3 -m sparse_core.cli bench throughput --policies dense,snapkv --num-prompts "$NUM_PROMPTS" \
         --json "$OUT/throughput_uncapped.json" 2>"$OUT/throughput_uncapped.log"
 }
 
