@@ -52,3 +52,13 @@ def peak_process_gpu_bytes(device: torch.device) -> int:
     """This process's peak on the GPU: torch's allocator at its peak (CUDA graph pools included)
     plus what it holds outside the allocator now."""
     return torch.cuda.max_memory_reserved(device) + gpu_memory_outside_torch(device)
+
+
+def limit_allocator(device: torch.device, max_bytes: int | None) -> None:
+    """Torch's allocator on `device` holds at most `max_bytes` (None: as much as the device has):
+    past it, it frees its cached blocks and retries before it reports out of memory."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    fraction = 1.0 if max_bytes is None else min(max(max_bytes, 0) / total, 1.0)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)

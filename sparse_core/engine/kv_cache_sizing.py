@@ -72,7 +72,7 @@ def fit_kv_cache(
     context included, fits the limit as it would a card of that size. Returns the blocks per
     group."""
     blocks = _allocate_kv_cache(runner, config, kv_bytes)
-    if not _sized_by_gpu_memory(runner, config):
+    if not _sized_by_gpu_memory(runner, config):  # the allocator stays uncapped
         return blocks
     blocks = _refit_kv_cache(runner, config, kv_bytes, activations, blocks)
     # The allocator holds no more than the limit leaves beside what the process holds outside

@@ -24,6 +24,7 @@ from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, ran
 from sparse_core.engine.batch_builder import BatchBuilder, CachedChunks, PrefillBatch, StepBatch
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.device import resolve_device, resolve_dtype
+from sparse_core.engine.gpu_memory import limit_allocator
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample
 from sparse_core.engine.scheduler import ScheduledStep
@@ -69,6 +70,8 @@ class ModelRunner:
         self.config = config
         self.workers = workers  # rank 0 of a tensor-parallel group: the other ranks
         self.device = rank_device(resolve_device(config.device), get_tp_rank(), get_tp_size())
+        # A cap that an engine before this one in the process left does not bind this one.
+        limit_allocator(self.device, None)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         model_config = source.config
@@ -139,12 +142,9 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @every_rank
-    def cap_allocator(self, max_bytes: int) -> None:
-        """Torch's allocator on this rank's GPU holds at most `max_bytes`: past it, it frees
-        its cached blocks and retries before it reports out of memory."""
-        if self.device.type == "cuda":
-            total = torch.cuda.mem_get_info(self.device)[1]
-            torch.cuda.set_per_process_memory_fraction(min(max_bytes / total, 1.0), self.device)
+    def cap_allocator(self, max_bytes: int | None) -> None:
+        """Torch's allocator on this rank's GPU holds at most `max_bytes` (None: no cap)."""
+        limit_allocator(self.device, max_bytes)
 
     @every_rank
     def release_kv_cache(self) -> None:
