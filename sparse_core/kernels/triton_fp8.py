@@ -100,7 +100,7 @@ _UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
 
 
 def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 scale of 1 on `device`, made once (not inside a CUDA graph's capture)."""
+    """A float32 scale of 1 on `device`, made on first use and kept."""
     if device not in _UNIT_SCALES:
         _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
     return _UNIT_SCALES[device]
