@@ -164,8 +164,8 @@ def test_memory_limit_caps_the_whole_process(fp8: bool):
     The limit is the process's own (sparse_core/engine/gpu_memory.py counts this process's
     memory where NVML reports it per process, else all memory in use, which only leaves the
     child less): what this test process holds is subtracted from what the device has in use.
-    The step is large (64k prompt tokens) so that its activations exceed the slack within
-    which the engine does not resize its cache at start-up.
+    The step is large (64k prompt tokens) so that its activations are large against the
+    engine's start-up margins (LATE_RUNTIME_BYTES, REFIT_SLACK_BYTES).
     """
     if fp8 and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs compute capability 8.9+")

@@ -74,17 +74,22 @@ def fit_kv_cache(
     blocks = _allocate_kv_cache(runner, config, kv_bytes)
     if not _sized_by_gpu_memory(runner, config):  # the allocator stays uncapped
         return blocks
-    blocks = _refit_kv_cache(runner, config, kv_bytes, activations, blocks)
+    limit = gpu_memory_limit(runner, config)
+    blocks = _refit_kv_cache(runner, config, kv_bytes, activations, limit, blocks)
     # The allocator holds no more than the limit leaves beside what the process holds outside
     # it: at that cap it returns cached free blocks to the device before it takes more (as it
     # would on a card of that size), rather than growing past the limit by what it caches.
-    limit = gpu_memory_limit(runner, config)
     runner.cap_allocator(int(limit - gpu_memory_outside_torch(runner.device)) - LATE_RUNTIME_BYTES)
     return blocks
 
 
 def _refit_kv_cache(
-    runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int, blocks: list[int]
+    runner: ModelRunner,
+    config: EngineConfig,
+    kv_bytes: int,
+    activations: int,
+    limit: float,
+    blocks: list[int],
 ) -> list[int]:
     """The cache allocated again, by how far the process is from its limit, if it is over it
     or under it by more than REFIT_SLACK_BYTES; else `blocks` as they are."""
@@ -93,7 +98,7 @@ def _refit_kv_cache(
     # The profiled step's activations were released before the cache was allocated; a step
     # takes them again. (The allocator's cached free blocks are not counted on: much of them
     # belongs to the CUDA graphs' private pools, which eager steps cannot use.)
-    room = int(gpu_memory_limit(runner, config) - used - activations) - LATE_RUNTIME_BYTES
+    room = int(limit - used - activations) - LATE_RUNTIME_BYTES
     room = min(room, torch.cuda.mem_get_info(device)[0] - activations - LATE_RUNTIME_BYTES)
     if 0 <= room <= REFIT_SLACK_BYTES:
         return blocks

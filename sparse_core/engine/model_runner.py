@@ -142,8 +142,8 @@ class ModelRunner:
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
     @every_rank
-    def cap_allocator(self, max_bytes: int | None) -> None:
-        """Torch's allocator on this rank's GPU holds at most `max_bytes` (None: no cap)."""
+    def cap_allocator(self, max_bytes: int) -> None:
+        """Torch's allocator on this rank's GPU holds at most `max_bytes`."""
         limit_allocator(self.device, max_bytes)
 
     @every_rank
