@@ -48,9 +48,13 @@ class PromptBatch:
         device: torch.device,
         query_ends: list[int] | None = None,
     ) -> PromptBatch:
-        on_device = to_device(bounds, torch.int64, device).view(-1, 2)
+        # One copy: starts, then lengths, each contiguous (the selection kernel reads them as
+        # plain arrays; a column of a [S, 2] tensor would read every other value).
+        starts = [start for start, _ in bounds]
+        lengths = [end - start for start, end in bounds]
+        on_device = to_device([starts, lengths], torch.int64, device)
         ends = [end for _, end in bounds] if query_ends is None else query_ends
-        return cls(bounds, on_device[:, 0], on_device[:, 1] - on_device[:, 0], ends)
+        return cls(bounds, on_device[0], on_device[1], ends)
 
 
 class SelectionPolicy(Protocol):

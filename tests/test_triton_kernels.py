@@ -6,6 +6,7 @@ with CUDA the same small cases run compiled, and the `gpu` tests add realistic s
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -13,10 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sparse_core.config import SparsityConfig
 from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels import reference as ref
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
 from sparse_core.models.attention import ChunkContext
+from sparse_core.selection import PromptBatch, selection_policy
 from tests.triton_setup import DEVICE, HAS_CUDA, import_kernels
 
 tk = import_kernels("sparse_core.kernels.triton_kernels")
@@ -524,6 +527,30 @@ def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], ti
     kept = tk.select_kept_rows(*args)
     assert kept.shape == (num_kv, budget * len(lengths))
     assert torch.equal(kept, ref.select_kept_rows(*args))
+
+
+@pytest.mark.parametrize("num_prompts", [3, 6])
+def test_snapkv_selection_of_a_prompt_batch_matches_reference(num_prompts: int) -> None:
+    """SnapKV over the engine's PromptBatch, every kernel of the GPU set (the prefill kernel's
+    LSE, window scores, selection) against the reference set: the same kept rows for every
+    prompt. With two prompts a strided `starts` reads right by chance (prompt 1 starts where
+    prompt 0 ends); from the third on it would not."""
+    torch.manual_seed(num_prompts)
+    lengths = [70 + 13 * j for j in range(num_prompts)]
+    q, k, v, cu = _packed(lengths, 4, 2, 32, torch.float32)
+    bounds = list(itertools.pairwise([0, *itertools.accumulate(lengths)]))
+    prompts = PromptBatch.from_bounds(bounds, k.device)
+    sparsity = SparsityConfig(policy="snapkv", budget=30, window=8, sinks=2)
+    triton_ops = dataclasses.replace(
+        REFERENCE_OPS,
+        prefill_attention=tk.prefill_attention,
+        window_scores=tk.window_scores,
+        select_kept_rows=tk.select_kept_rows,
+    )
+    _, lse = triton_ops.prefill_attention(q, k, v, cu, 32**-0.5, max(lengths))
+    kept = selection_policy(sparsity, triton_ops).select(q, k, lse, prompts, 30, 32**-0.5)
+    expected = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 30, 32**-0.5)
+    assert torch.equal(kept, expected)
 
 
 def test_select_kept_rows_ties_signed_zeros_as_equals() -> None:

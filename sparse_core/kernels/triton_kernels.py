@@ -1093,6 +1093,10 @@ def select_kept_rows(
     num_kv, device = scores[0].shape[0], scores[0].device
     padded = reference.pad_scores(scores)  # the kernel reads no row past its prompt's length
     assert padded.stride(-1) == 1 and starts.dtype == torch.int64
+    # The kernel reads prompt j's values at offset j: strided views would be read wrong.
+    assert starts.is_contiguous() and scored_lens.is_contiguous(), (
+        "starts and scored_lens must be contiguous"
+    )
     keys = torch.empty(padded.shape, dtype=torch.int32, device=device)
     out = torch.empty(num_kv, len(scores) * budget, dtype=torch.int64, device=device)
     # 1,024 keys per tile: a 4,000-token prompt in 4 tiles per pass; the interpreter gets 16.
