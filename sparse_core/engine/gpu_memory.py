@@ -24,8 +24,7 @@ def process_gpu_bytes(device: torch.device) -> int | None:
     try:
         pynvml.nvmlInit()
         try:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            uuid = torch.cuda.get_device_properties(index).uuid
+            uuid = torch.cuda.get_device_properties(_index(device)).uuid
             handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
@@ -61,4 +60,10 @@ def limit_allocator(device: torch.device, max_bytes: int | None) -> None:
         return
     total = torch.cuda.mem_get_info(device)[1]
     fraction = 1.0 if max_bytes is None else min(max(max_bytes, 0) / total, 1.0)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    torch.cuda.set_per_process_memory_fraction(fraction, _index(device))
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device's index: "cuda" alone means the current device (some torch calls take
+    only an index)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
