@@ -17,6 +17,12 @@
 #   calibrate-time  (not in the default steps) times `kvsparse calibrate --target-compression
 #             2,3,4` on dummy:llama3-8b at 4000-token prompts, every layer probed alone at 2, 4,
 #             8 and 16x; writes calibrate_time.log and its profiles under DIR/calibrate-dummy
+#   calibrate-budgets  (not in the default steps) recalibrates SmolLM2's per-layer budgets at the
+#             GPU's scale: every layer alone at 2, 4, 8 and 16x on 4000-token probes of seed 1;
+#             the profiles replace the shipped ones in this checkout (so a later `budgets` step
+#             in the same run measures them) and are copied to DIR/layer_budgets; writes
+#             calibrate_budgets.{md,log}. EVAL_CALIBRATE_{LENGTHS,SAMPLES,LEVELS,BAND,PROFILE_DIR}
+#             shrink it for a check elsewhere (and keep the shipped profiles)
 # EVAL_STEPS picks the steps (default: grid profiles budgets fp8), e.g. EVAL_STEPS=calibrate-time.
 # All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
 # SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
@@ -149,6 +155,26 @@ calibrate_time() {
     log "calibrate-time: kvsparse calibrate took $((SECONDS - start)) s"
 }
 
+# SmolLM2's per-layer budgets from probes at the sweep's scale (the shipped ones came from a CPU
+# run: 500-token probes, bands of 5 layers, levels 2, 4 and 8).
+calibrate_budgets() {
+    local shipped=${EVAL_CALIBRATE_PROFILE_DIR:-sparse_core/profiles/layer_budgets/smollm2-135m-instruct}
+    local args=(--device "$DEVICE" --dtype "$DTYPE"
+        --tasks passkey,niah_single_english,niah_multikey --lengths "${EVAL_CALIBRATE_LENGTHS:-4000}"
+        --samples "${EVAL_CALIBRATE_SAMPLES:-4}" --target-compression 2,3,4
+        --levels "${EVAL_CALIBRATE_LEVELS:-2,4,8,16}" --band-size "${EVAL_CALIBRATE_BAND:-1}"
+        --max-num-seqs 64
+        --kv-cache-memory-gb "$KV_GB" --max-num-batched-tokens "$BATCHED" --profile-dir "$shipped")
+    log "calibrate-budgets: kvsparse calibrate ${args[*]}"
+    local start=$SECONDS
+    "$PY" -m sparse_core.cli calibrate "${args[@]}" >"$OUT/calibrate_budgets.md" \
+        2> >(tee -a "$OUT/calibrate_budgets.log" >&2) ||
+        fail "calibrate-budgets failed; see $OUT/calibrate_budgets.log"
+    mkdir -p "$OUT/layer_budgets"
+    cp "$shipped"/*.json "$OUT/layer_budgets/"
+    log "calibrate-budgets: took $((SECONDS - start)) s; profiles in $OUT/layer_budgets"
+}
+
 start=$SECONDS
 summaries=()
 for step in $STEPS; do
@@ -164,7 +190,8 @@ for step in $STEPS; do
         done
         ;;
     calibrate-time) calibrate_time ;;
-    *) fail "unknown step $step (grid, profiles, budgets, fp8, calibrate-time)" ;;
+    calibrate-budgets) calibrate_budgets ;;
+    *) fail "unknown step $step (grid, profiles, budgets, fp8, calibrate-time, calibrate-budgets)" ;;
     esac
     case $step in grid | profiles | budgets) summaries+=("$step") ;; esac
 done
