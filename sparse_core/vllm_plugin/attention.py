@@ -15,23 +15,25 @@ from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
-from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps, get_ops, reference
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
+from sparse_core.vllm_plugin.compat import BACKEND_NAME, TokenMajorKVCache
 from sparse_core.vllm_plugin.metadata import KVSparseMetadata, KVSparseMetadataBuilder
 from sparse_core.vllm_plugin.settings import current_settings
 
 
-class KVSparseAttentionBackend(AttentionBackend):
+class KVSparseAttentionBackend(TokenMajorKVCache, AttentionBackend):
+    # Token-major blocks (TokenMajorKVCache): a layer's cache is [blocks, block_size, kv_heads,
+    # k|v], the engine's pool layout, so its kernels take views of it.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
 
     @staticmethod
     def get_name() -> str:
-        return "KVSPARSE"
+        return BACKEND_NAME
 
     @staticmethod
     def get_impl_cls() -> type[KVSparseAttentionImpl]:
@@ -40,12 +42,6 @@ class KVSparseAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[KVSparseMetadataBuilder]:
         return KVSparseMetadataBuilder
-
-    @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        # Token-major blocks: a layer's cache is then [blocks, block_size, kv_heads, k|v], the
-        # engine's pool layout, so its kernels take views of it.
-        return (KVCacheLayout.LBNHC,)
 
 
 def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,13 +13,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any
 
 from sparse_core.vllm_plugin.settings import current_settings, settings_from_vllm_config
 
-BACKEND_NAME = "KVSPARSE"
 BACKEND_PATH = "sparse_core.vllm_plugin.attention.KVSparseAttentionBackend"
 logger = logging.getLogger("kvsparse.vllm_plugin")
 
@@ -27,13 +27,14 @@ logger = logging.getLogger("kvsparse.vllm_plugin")
 def install() -> None:
     from vllm.model_executor.layers.attention import Attention
     from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import register_backend
+
+    from sparse_core.vllm_plugin.compat import register_backend
 
     platform = type(current_platform)
     if getattr(platform, "_kvsparse_installed", False):
         return
     # Layers look their backend up by name in vLLM's backend registry.
-    register_backend(BACKEND_NAME, BACKEND_PATH)
+    register_backend(BACKEND_PATH)
     _wrap_classmethod(platform, "get_attn_backend_cls", _select_backend)
     _wrap_classmethod(platform, "check_and_update_config", _update_config)
     _wrap_classmethod(platform, "register_custom_kv_cache_specs", _register_specs)
@@ -108,16 +109,10 @@ def _layer_spec(layer, vllm_config, spec):
     budget = plan.groups[plan.layer_to_group[extract_layer_index(layer.layer_name)]].budget
     if budget is None:
         return spec
+    # Every field the budget spec shares with the layer's spec (they differ between releases).
     fields = {
-        name: getattr(spec, name)
-        for name in (
-            "block_size",
-            "num_kv_heads",
-            "head_size",
-            "head_size_v",
-            "dtype",
-            "kv_quant_mode",
-            "page_size_padded",
-        )
+        f.name: getattr(spec, f.name)
+        for f in dataclasses.fields(BudgetAttentionSpec)
+        if f.init and f.name != "budget" and hasattr(spec, f.name)
     }
     return BudgetAttentionSpec(**fields, budget=budget)

@@ -10,12 +10,13 @@ manager frees blocks that left the window. Generated tokens stay at their own po
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from vllm.utils.math_utils import cdiv
 from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 from vllm.v1.kv_cache_interface import AttentionSpec
+
+from sparse_core.vllm_plugin.compat import no_cache_hit
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,33 +41,54 @@ def gap_blocks(budget: int, num_prompt_tokens: int, block_size: int) -> range:
 
 
 class BudgetAttentionManager(SingleTypeKVCacheManager):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Tokens of each request's first allocation: its prompt (whole, as the plugin schedules
+        # it), or after a preemption the prompt and output it recomputes. For vLLM releases
+        # that do not pass the prompt length to remove_skipped_blocks.
+        self._allocated_first: dict[str, int] = {}
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int, *args, **kwargs
+    ):
+        self._allocated_first.setdefault(request_id, num_tokens_main_model)
+        return super().allocate_new_blocks(
+            request_id, num_tokens, num_tokens_main_model, *args, **kwargs
+        )
+
+    def pop_blocks_for_free(self, request_id: str):
+        self._allocated_first.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
+
     def remove_skipped_blocks(
         self,
         request_id: str,
         processed_computed_tokens: int,
         num_prompt_tokens: int | None = None,
     ) -> None:
+        if num_prompt_tokens is None:
+            num_prompt_tokens = self._allocated_first.get(request_id)
         # Only after the step that completed the prompt has finished: that step compacted the
         # kept tokens into the first blocks.
         if num_prompt_tokens is None or processed_computed_tokens < num_prompt_tokens:
             return
         gap = gap_blocks(self.kv_cache_spec.budget, num_prompt_tokens, self.block_size)
-        if gap:
-            self._remove_blocks_in_range(request_id, gap.start, gap.stop)
+        blocks = self.req_to_blocks.get(request_id, [])
+        # Backwards, as vLLM frees: a block already null means the ones before it are too.
+        freed = []
+        for i in reversed(range(gap.start, min(gap.stop, len(blocks)))):
+            if blocks[i] == self._null_block:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self._null_block
+        if freed:
+            self.block_pool.free_blocks(freed)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        # Compacted blocks hold tokens chosen for one request: none is shared.
+        return 0
 
     @classmethod
-    def find_longest_cache_hit(
-        cls,
-        block_hashes,
-        max_length: int,
-        kv_cache_group_ids: list[int],
-        block_pool,
-        kv_cache_spec,
-        drop_eagle_block: bool,
-        alignment_tokens: int,
-        dcp_world_size: int = 1,
-        pcp_world_size: int = 1,
-    ) -> tuple[tuple[list, ...], int]:
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, *args, **kwargs):
         # No prefix caching for compacted groups (the plugin also turns it off).
-        empty: Sequence[list] = [[] for _ in kv_cache_group_ids]
-        return tuple(empty), 0
+        return no_cache_hit(kv_cache_group_ids)

@@ -50,12 +50,12 @@ def test_bad_settings_name_the_problem(raw, message):
         parse_settings(raw)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.1", "0.33.0rc1"])
+@pytest.mark.parametrize("version", ["0.24.0", "0.24.1", "0.32.0", "0.32.3", "0.33.1", "0.33.0rc1"])
 def test_supported_vllm_versions(version):
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.24.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.23.1", "0.25.0", "0.31.2", "0.34.0", "1.0.0"])
 def test_other_vllm_versions_are_refused_clearly(version):
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32 to 0\.33.*" + version):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.24 and 0\.32 to 0\.33.*" + version):
         check_vllm_version(version)
