@@ -141,6 +141,19 @@ number_format_args() {
     esac
 }
 
+# `kvsparse calibrate ARGS` as step STEP: its tables in STEP.md, its log in STEP.log (dashes as
+# underscores), its wall time logged.
+run_calibrate() {
+    local step=$1
+    shift
+    local name=${step//-/_}
+    log "$step: kvsparse calibrate $*"
+    local start=$SECONDS
+    "$PY" -m sparse_core.cli calibrate "$@" >"$OUT/$name.md" \
+        2> >(tee -a "$OUT/$name.log" >&2) || fail "$step failed; see $OUT/$name.log"
+    log "$step: kvsparse calibrate took $((SECONDS - start)) s"
+}
+
 # The calibration at the scale users run it: Llama-3-8B's shape (random weights: the time, not
 # the profile, is the point), 4000-token probes of the calibration's tasks, every layer alone.
 calibrate_time() {
@@ -148,11 +161,7 @@ calibrate_time() {
         --tasks passkey,niah_single_english,niah_multikey --lengths 4000 --samples 2
         --target-compression 2,3,4 --levels 2,4,8,16 --band-size 1 --max-num-seqs 16
         --kv-cache-memory-gb 40 --profile-dir "$OUT/calibrate-dummy")
-    log "calibrate-time: kvsparse calibrate ${args[*]}"
-    local start=$SECONDS
-    "$PY" -m sparse_core.cli calibrate "${args[@]}" >"$OUT/calibrate_time.md" \
-        2> >(tee -a "$OUT/calibrate_time.log" >&2) || fail "calibrate-time failed; see $OUT/calibrate_time.log"
-    log "calibrate-time: kvsparse calibrate took $((SECONDS - start)) s"
+    run_calibrate calibrate-time "${args[@]}"
 }
 
 # SmolLM2's per-layer budgets from probes at the sweep's scale (the shipped ones came from a CPU
@@ -165,14 +174,10 @@ calibrate_budgets() {
         --levels "${EVAL_CALIBRATE_LEVELS:-2,4,8,16}" --band-size "${EVAL_CALIBRATE_BAND:-1}"
         --max-num-seqs 64
         --kv-cache-memory-gb "$KV_GB" --max-num-batched-tokens "$BATCHED" --profile-dir "$shipped")
-    log "calibrate-budgets: kvsparse calibrate ${args[*]}"
-    local start=$SECONDS
-    "$PY" -m sparse_core.cli calibrate "${args[@]}" >"$OUT/calibrate_budgets.md" \
-        2> >(tee -a "$OUT/calibrate_budgets.log" >&2) ||
-        fail "calibrate-budgets failed; see $OUT/calibrate_budgets.log"
+    run_calibrate calibrate-budgets "${args[@]}"
     mkdir -p "$OUT/layer_budgets"
     cp "$shipped"/*.json "$OUT/layer_budgets/"
-    log "calibrate-budgets: took $((SECONDS - start)) s; profiles in $OUT/layer_budgets"
+    log "calibrate-budgets: profiles in $OUT/layer_budgets"
 }
 
 start=$SECONDS

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -55,8 +56,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     status = getattr(config, "_kvsparse_exit_status", None)
     if status is None:
         return
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)

@@ -20,10 +20,10 @@ from sparse_core.vllm_plugin.version import release
 VLLM_RELEASE = release(vllm.__version__)
 # 0.32 on: backends registered by any name, KV cache layouts, prompt lengths given to
 # remove_skipped_blocks, cache hits with their length.
-LAYOUT_API = VLLM_RELEASE >= (0, 32)
+SEAMS_OF_0_32 = VLLM_RELEASE >= (0, 32)
 
 # The name the backend registers under and reports from `get_name`.
-BACKEND_NAME = "KVSPARSE" if LAYOUT_API else "CUSTOM"
+BACKEND_NAME = "KVSPARSE" if SEAMS_OF_0_32 else "CUSTOM"
 
 
 def register_backend(class_path: str) -> None:
@@ -31,7 +31,7 @@ def register_backend(class_path: str) -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.backends.registry import register_backend as register
 
-    register(BACKEND_NAME if LAYOUT_API else AttentionBackendEnum.CUSTOM, class_path)
+    register(BACKEND_NAME if SEAMS_OF_0_32 else AttentionBackendEnum.CUSTOM, class_path)
 
 
 class TokenMajorKVCache:
@@ -39,7 +39,7 @@ class TokenMajorKVCache:
     K | V] in memory, viewed as [blocks, kv_heads, block_size, 2 * head_size] (the view
     `attention.split_kv_cache` takes apart)."""
 
-    if LAYOUT_API:
+    if SEAMS_OF_0_32:
 
         @classmethod
         def supported_kv_cache_layouts(cls):
@@ -69,4 +69,4 @@ def no_cache_hit(kv_cache_group_ids: list[int]) -> tuple:
     """`find_longest_cache_hit`'s answer for a group that caches nothing, in this release's
     form."""
     empty = tuple([] for _ in kv_cache_group_ids)
-    return (empty, 0) if LAYOUT_API else empty
+    return (empty, 0) if SEAMS_OF_0_32 else empty
