@@ -75,26 +75,31 @@ log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$LOG"; }
 
 # -- carried files and packages: check everything before the long part ---------------------------
 command -v "$PY" >/dev/null || fail "no $PY; set PYTHON to the interpreter that has torch"
-"$PY" -c "import gguf" ||
-    fail "cannot import gguf (above): run scripts/eval_gpu_bundle.sh and carry $BUNDLE/site, or put gguf on PYTHONPATH"
-gguf_file=$KVSPARSE_SMOLLM2_GGUF
-if [ ! -f "$gguf_file" ]; then
-    parts=("$gguf_file".part-*)
-    [ -f "${parts[0]}" ] ||
-        fail "model file $gguf_file is missing (set KVSPARSE_SMOLLM2_GGUF, or carry $BUNDLE/model)"
-    sums=$(dirname "$gguf_file")/SHA256SUMS
-    [ -f "$sums" ] || fail "$sums is missing: cannot check the joined model parts"
-    log "joining ${#parts[@]} model parts into $gguf_file"
-    cat "${parts[@]}" >"$gguf_file.joining"
-    mv "$gguf_file.joining" "$gguf_file"
-    (cd "$(dirname "$gguf_file")" && sha256sum --quiet -c SHA256SUMS) || {
-        rm -f "$gguf_file"
-        fail "the joined model does not match SHA256SUMS: a part is missing or truncated (${parts[*]})"
-    }
+# Every step but calibrate-time (the 8B shape with random weights) reads SmolLM2's GGUF file.
+needs_smollm2=
+for step in $STEPS; do [ "$step" = calibrate-time ] || needs_smollm2=yes; done
+if [ -n "$needs_smollm2" ]; then
+    "$PY" -c "import gguf" ||
+        fail "cannot import gguf (above): run scripts/eval_gpu_bundle.sh and carry $BUNDLE/site, or put gguf on PYTHONPATH"
+    gguf_file=$KVSPARSE_SMOLLM2_GGUF
+    if [ ! -f "$gguf_file" ]; then
+        parts=("$gguf_file".part-*)
+        [ -f "${parts[0]}" ] ||
+            fail "model file $gguf_file is missing (set KVSPARSE_SMOLLM2_GGUF, or carry $BUNDLE/model)"
+        sums=$(dirname "$gguf_file")/SHA256SUMS
+        [ -f "$sums" ] || fail "$sums is missing: cannot check the joined model parts"
+        log "joining ${#parts[@]} model parts into $gguf_file"
+        cat "${parts[@]}" >"$gguf_file.joining"
+        mv "$gguf_file.joining" "$gguf_file"
+        (cd "$(dirname "$gguf_file")" && sha256sum --quiet -c SHA256SUMS) || {
+            rm -f "$gguf_file"
+            fail "the joined model does not match SHA256SUMS: a part is missing or truncated (${parts[*]})"
+        }
+    fi
 fi
 [ -f "$KVSPARSE_EVAL_DATA/lee_background.cor" ] ||
     fail "$KVSPARSE_EVAL_DATA/lee_background.cor is missing (set KVSPARSE_EVAL_DATA, or carry $BUNDLE/data)"
-"$PY" - "$DEVICE" <<'PY' || fail "environment check failed (above)"
+"$PY" - "$DEVICE" "$needs_smollm2" <<'PY' || fail "environment check failed (above)"
 import sys
 
 import torch
@@ -107,7 +112,8 @@ if device.startswith("cuda") and not torch.cuda.is_available():
     sys.exit(f"--device {device} but torch {torch.__version__} sees no GPU")
 name = torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu"
 print(f"torch {torch.__version__}, transformers {transformers.__version__}, {name}")
-print(f"model {builtin_model_path('smollm2-135m-instruct')}")
+if sys.argv[2]:
+    print(f"model {builtin_model_path('smollm2-135m-instruct')}")
 PY
 plot=yes
 "$PY" -c "import matplotlib" 2>/dev/null || {

@@ -10,7 +10,12 @@ import pytest
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.cli import build_parser
 from sparse_core.engine_args import configs_from_args
-from sparse_core.policy import budget_profiles, plan_layers, ratios_compression
+from sparse_core.policy import (
+    budget_profiles,
+    nearest_budget_profile,
+    plan_layers,
+    ratios_compression,
+)
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -81,7 +86,8 @@ def test_auto_picks_the_nearest_shipped_profile(caplog):
     assert "calibrated for 4x (4x.json)" in caplog.text
     kept = sum(len(g.layers) * g.kept_tokens(4000) for g in plan.groups)
     assert 30 * 4000 / kept == pytest.approx(4.0, rel=0.05)
-    assert len(plan.groups) <= 4  # whole + the calibration's three tiers
+    tiers = set(nearest_budget_profile(SMOLLM2, 3.8).layer_ratios)  # None: whole
+    assert len(plan.groups) == len(tiers)  # each tier one pool
     with pytest.raises(ValueError, match="expected_input_len"):
         plan_layers(sparsity, 30, SMOLLM2)
 

@@ -290,7 +290,7 @@ class ModelRunner:
     @every_rank
     @torch.inference_mode()
     def profile_activation_bytes(self) -> int:
-        """Peak memory the largest step needs above what is allocated now (CUDA only).
+        """Peak memory the largest step needs above what the allocator holds now (CUDA only).
 
         Runs max_num_batched_tokens of prompts of max_model_len tokens together with
         max_num_seqs decoding rows, every slot at -1 so nothing is cached; the caches are
@@ -355,12 +355,20 @@ class ModelRunner:
             block_tables=[torch.zeros((rows, 1), dtype=torch.int32) for _ in range(num_groups)],
             context_lens=[[1] * rows for _ in range(num_groups)],
         )
+        # Counted as what the step makes the allocator reserve, not only what it allocates: the
+        # allocator is capped at its reserved bytes (kv_cache_sizing.fit_kv_cache), and a step's
+        # tensors take whole segments, rounded up and partly unusable once fragmented.
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        before = torch.cuda.memory_allocated(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
         self._forward(StepBatch(prefill, decode), self.profile_selection)
         torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device) - before
+        return max(
+            torch.cuda.max_memory_allocated(self.device) - allocated,
+            torch.cuda.max_memory_reserved(self.device) - reserved,
+        )
 
     def _uses_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.config.enforce_eager
