@@ -7,9 +7,10 @@ import os
 # Environment of every process of the Ray cluster (controller, proxies, replicas), read when Ray
 # Serve is imported there: `kvsparse serve --ray` sets it before it starts its cluster, the Helm
 # chart and k8s/ in every Ray container. Throughput-optimized mode runs replica code on the event
-# loop instead of a thread, buffers access logs and sends requests between deployments over gRPC.
-# (It also gives each ingress replica an HTTP port of its own, but clients of the configured port
-# still go through Serve's proxy: docs/serving.md, "Ray Serve at full speed".)
+# loop instead of a thread, buffers access logs, sends requests between deployments over gRPC and
+# gives each ingress replica an HTTP port of its own ("direct ingress"). Serve's HAProxy mode
+# (RAY_SERVE_ENABLE_HA_PROXY=1) is left to the user: it is faster to the first token but lets an
+# abandoned non-streamed request run to its end (docs/serving.md, "Ray Serve at full speed").
 SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 

@@ -270,9 +270,17 @@ def test_replicas_drain_within_the_pods_grace_period(helm: str) -> None:
     pods = [cluster["headGroupSpec"]["template"]["spec"]]
     pods += [group["template"]["spec"] for group in cluster["workerGroupSpecs"]]
     grace = {pod["terminationGracePeriodSeconds"] for pod in pods}
-    assert serve_app(rs)["args"]["graceful_shutdown_timeout_s"] < min(grace) == 30
+    assert serve_app(rs)["args"]["graceful_shutdown_timeout_s"] < min(grace) == 45
     with pytest.raises(AssertionError, match=r"gracefulShutdownTimeoutS must be below"):
-        render(helm, {"serve": {"gracefulShutdownTimeoutS": 30}})
+        render(helm, {"serve": {"gracefulShutdownTimeoutS": 45}})
+    # Direct ingress keeps a stopping ingress replica 30 + 5 s whatever its own timeout says.
+    with pytest.raises(AssertionError, match=r"terminationGracePeriodSeconds must be above 35"):
+        render(helm, {"terminationGracePeriodSeconds": 30})
+    direct_off = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+    render(helm, {"terminationGracePeriodSeconds": 30, "serve": {"rayServeEnv": direct_off}})
+    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1", **direct_off}  # HAProxy needs direct ingress
+    with pytest.raises(AssertionError, match=r"terminationGracePeriodSeconds must be above 35"):
+        render(helm, {"terminationGracePeriodSeconds": 30, "serve": {"rayServeEnv": haproxy}})
 
 
 def test_dockerfile_matches_chart(helm: str) -> None:

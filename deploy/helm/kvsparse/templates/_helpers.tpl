@@ -53,6 +53,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if ge (float64 .Values.serve.gracefulShutdownTimeoutS) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail "serve.gracefulShutdownTimeoutS must be below terminationGracePeriodSeconds: a replica draining its requests would be killed first" }}
 {{- end }}
+{{- $ingressDrain := float64 (include "kvsparse.ingressDrainS" .) }}
+{{- if ge $ingressDrain (float64 .Values.terminationGracePeriodSeconds) }}
+{{- fail (printf "terminationGracePeriodSeconds must be above %g: with direct ingress (serve.rayServeEnv: throughput-optimized or HAProxy mode) Ray Serve keeps a stopping ingress replica for its minimum drain period + 5 s, and the pod would be killed first" $ingressDrain) }}
+{{- end }}
 {{- $_ := set $args "graceful_shutdown_timeout_s" .Values.serve.gracefulShutdownTimeoutS -}}
 {{- if not (kindIs "invalid" .Values.serve.maxInflightRequests) }}
 {{- $_ := set $args "max_inflight_requests" (int .Values.serve.maxInflightRequests) -}}
@@ -150,4 +154,27 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: model-cache
   mountPath: {{ .Values.model.cache.mountPath }}
 {{- end }}
+{{- end }}
+
+{{/*
+Seconds Ray Serve keeps a stopping ingress replica: serve.gracefulShutdownTimeoutS, raised in
+direct ingress mode (on with throughput-optimized or HAProxy mode unless switched off) to
+RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S (30 unless set) + 5, the time load balancers get
+to stop sending to it.
+*/}}
+{{- define "kvsparse.ingressDrainS" -}}
+{{- $env := .Values.serve.rayServeEnv | default dict -}}
+{{- $direct := eq (toString (get $env "RAY_SERVE_THROUGHPUT_OPTIMIZED")) "1" -}}
+{{- if hasKey $env "RAY_SERVE_ENABLE_DIRECT_INGRESS" -}}
+{{- $direct = eq (toString (get $env "RAY_SERVE_ENABLE_DIRECT_INGRESS")) "1" -}}
+{{- end -}}
+{{- if eq (toString (get $env "RAY_SERVE_ENABLE_HA_PROXY")) "1" -}}
+{{- $direct = true -}}
+{{- end -}}
+{{- $drain := float64 .Values.serve.gracefulShutdownTimeoutS -}}
+{{- if $direct -}}
+{{- $minDrain := float64 (get $env "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" | default 30) -}}
+{{- $drain = maxf $drain (addf $minDrain 5) -}}
+{{- end -}}
+{{- $drain -}}
 {{- end }}
