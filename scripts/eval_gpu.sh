@@ -18,8 +18,8 @@
 #             2,3,4` on dummy:llama3-8b at 4000-token prompts, every layer probed alone at 2, 4,
 #             8 and 16x; writes calibrate_time.log and its profiles under DIR/calibrate-dummy
 #   calibrate-budgets  (not in the default steps) recalibrates SmolLM2's per-layer budgets at the
-#             GPU's scale: every layer alone at 2, 4, 8 and 16x on 4000-token probes of seed 1;
-#             the profiles replace the shipped ones in this checkout (so a later `budgets` step
+#             GPU's scale: every layer alone at 2, 4, 8 and 16x on 12 4000-token probes per task
+#             (seed 1); the profiles replace the shipped ones in this checkout (so a later `budgets` step
 #             in the same run measures them) and are copied to DIR/layer_budgets; writes
 #             calibrate_budgets.{md,log}. EVAL_CALIBRATE_{LENGTHS,SAMPLES,LEVELS,BAND,PROFILE_DIR}
 #             shrink it for a check elsewhere (and keep the shipped profiles)
@@ -170,13 +170,13 @@ calibrate_time() {
     run_calibrate calibrate-time "${args[@]}"
 }
 
-# SmolLM2's per-layer budgets from probes at the sweep's scale (the shipped ones came from a CPU
-# run: 500-token probes, bands of 5 layers, levels 2, 4 and 8).
+# SmolLM2's per-layer budgets from probes at the sweep's scale, as the shipped ones were made:
+# every layer alone, 12 probes of 4000 tokens per task.
 calibrate_budgets() {
     local shipped=${EVAL_CALIBRATE_PROFILE_DIR:-sparse_core/profiles/layer_budgets/smollm2-135m-instruct}
     local args=(--device "$DEVICE" --dtype "$DTYPE"
         --tasks passkey,niah_single_english,niah_multikey --lengths "${EVAL_CALIBRATE_LENGTHS:-4000}"
-        --samples "${EVAL_CALIBRATE_SAMPLES:-4}" --target-compression 2,3,4
+        --samples "${EVAL_CALIBRATE_SAMPLES:-12}" --target-compression 2,3,4
         --levels "${EVAL_CALIBRATE_LEVELS:-2,4,8,16}" --band-size "${EVAL_CALIBRATE_BAND:-1}"
         --max-num-seqs 64
         --kv-cache-memory-gb "$KV_GB" --max-num-batched-tokens "$BATCHED" --profile-dir "$shipped")

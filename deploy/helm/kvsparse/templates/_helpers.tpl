@@ -173,7 +173,10 @@ to stop sending to it.
 {{- end -}}
 {{- $drain := float64 .Values.serve.gracefulShutdownTimeoutS -}}
 {{- if $direct -}}
-{{- $minDrain := float64 (get $env "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" | default 30) -}}
+{{- $minDrain := 30.0 -}}
+{{- if hasKey $env "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S" -}}
+{{- $minDrain = float64 (get $env "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S") -}}
+{{- end -}}
 {{- $drain = maxf $drain (addf $minDrain 5) -}}
 {{- end -}}
 {{- $drain -}}
