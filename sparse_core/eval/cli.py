@@ -280,7 +280,8 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
         f"{args.band_size}, levels {levels}) x {len(samples)} prompts, seed {args.seed}"
     )
     probe_results = run_suite(probes, samples, settings, source=source)
-    damages = lb.measure(probe_results, num_layers, args.band_size, levels)
+    answers = {(s.task, s.length, s.index): s.answers for s in samples}
+    damages = lb.measure(probe_results, answers, num_layers, args.band_size, levels)
     for d in damages:
         _note(
             f"layers {cal.span(d.layers)}: damage "
@@ -299,9 +300,10 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             "layer_ratios": list(ratios),
             "levels": levels,
             "method": (
-                f"snapkv; per band of {args.band_size} layers, divergence from dense with only "
-                f"the band compressed at each level; levels chosen by exact knapsack minimising "
-                f"summed divergence under {target:g}x"
+                f"snapkv; per band of {args.band_size} layers, divergence from dense's answer "
+                f"(up to its last expected answer, probes dense answers) with only the band "
+                f"compressed at each level; levels chosen by exact knapsack minimising summed "
+                f"divergence under {target:g}x"
             ),
             "predicted_damage": round(damage, 2),
             "sensitivity": [

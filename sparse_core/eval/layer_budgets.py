@@ -3,9 +3,10 @@ over all layers and loses the least on the model's probes.
 
 1. Sensitivity. For each band of `band_size` consecutive layers and each level r of `levels`,
    the probes run with only that band compressed, keeping length / r tokens (every other layer
-   whole). The band's damage at r is the divergence from dense: the share of dense's answer
-   text, from its start, that the run no longer reproduces (points, 0-100), made
-   non-decreasing in r (keeping fewer tokens never helps).
+   whole). The band's damage at r is the divergence from dense: the share of dense's answer,
+   from its start to the end of the last expected answer it contains, that the run no longer
+   reproduces (points, 0-100), over the probes that dense answers; made non-decreasing in r
+   (keeping fewer tokens never helps).
 2. Allocation. Every band stays whole or takes one level, minimising the summed damage under
    the memory that compression R leaves (kept fractions summed over layers <= L / R): a
    multiple-choice knapsack, solved exactly by dynamic programming in units of 1 / lcm(levels).
@@ -14,7 +15,10 @@ over all layers and loses the least on the model's probes.
 
 Why divergence rather than accuracy: with a dozen probes accuracy moves in steps of 8 points or
 more, and one band compressed alone rarely flips an answer; divergence moves by one character
-of the answer, so it ranks bands that accuracy ties. Why sums of single-band damage: measuring
+of the answer, so it ranks bands that accuracy ties. Why only up to the answer, and only where
+dense answers: the text dense writes after its answer, or instead of one, has nothing to lose,
+and any change of the logits rewrites it; counted, it gave every layer a damage of 5-17 points
+whatever its budget (docs/layer_budgets.md). Why sums of single-band damage: measuring
 bands together needs a run per combination; the sum is the first-order estimate, and the
 comparison the calibration runs afterwards checks the allocation as a whole.
 """
@@ -54,25 +58,48 @@ def probe_configs(num_layers: int, band_size: int, levels: list[int]) -> list[Ev
     return configs
 
 
+ProbeKey = tuple[str, int, int]  # task, length, index
+
+
 def measure(
-    results: list[SampleResult], num_layers: int, band_size: int, levels: list[int]
+    results: list[SampleResult],
+    answers: dict[ProbeKey, list[str]],
+    num_layers: int,
+    band_size: int,
+    levels: list[int],
 ) -> list[BandDamage]:
-    """Each band's damage at each level, from the results of `probe_configs`."""
-    dense = {(r.task, r.length, r.index): r.output for r in results if r.config == "dense"}
+    """Each band's damage at each level, from the results of `probe_configs` and each probe's
+    expected answers."""
+    references = {}
+    for r in results:
+        if r.config == "dense":
+            key = (r.task, r.length, r.index)
+            reference = answer_part(r.output, answers[key])
+            if reference:
+                references[key] = reference
     by_config: dict[str, list[float]] = {}
     for r in results:
-        if r.config != "dense":
-            reference = dense[(r.task, r.length, r.index)]
+        reference = references.get((r.task, r.length, r.index))
+        if r.config != "dense" and reference:
             by_config.setdefault(r.config, []).append(divergence(reference, r.output))
     out = []
     for band in bands(num_layers, band_size):
         damage, worst = {}, 0.0
         for r in sorted(levels):
-            values = by_config[_probe_label(band, r)]
-            worst = max(worst, 100 * sum(values) / len(values))
+            values = by_config.get(_probe_label(band, r), [])
+            if values:
+                worst = max(worst, 100 * sum(values) / len(values))
             damage[r] = worst
         out.append(BandDamage(band, damage))
     return out
+
+
+def answer_part(output: str, answers: list[str]) -> str:
+    """`output` up to the end of the last of `answers` it contains (compared as `score` does,
+    ignoring case); empty when it contains none."""
+    text = output.lower()
+    ends = [text.find(a.lower()) + len(a) for a in answers if a.lower() in text]
+    return output[: max(ends)] if ends else ""
 
 
 def divergence(reference: str, output: str) -> float:

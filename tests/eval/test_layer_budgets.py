@@ -52,16 +52,29 @@ def test_divergence_counts_the_lost_part_of_the_answer():
     assert lb.divergence(" 52890.", "") == 1.0
 
 
-def test_damage_is_measured_against_dense_and_never_falls_with_compression():
-    def result(config: str, output: str) -> SampleResult:
-        return SampleResult(config, "t", 500, 0, None, 500, 0.0, 1.0, output)
+def _result(config: str, output: str, index: int = 0) -> SampleResult:
+    return SampleResult(config, "t", 500, index, None, 500, 0.0, 1.0, output)
 
-    results = [result("dense", "abcd")]
-    results += [result(f"L0-1 at {r}x", out) for r, out in ((2, "abcd"), (4, "ab"), (8, "abc"))]
-    results += [result(f"L2 at {r}x", "abcd") for r in (2, 4, 8)]
-    (first, second) = lb.measure(results, 3, 2, [2, 4, 8])
+
+def test_damage_is_measured_against_dense_and_never_falls_with_compression():
+    results = [_result("dense", "abcd")]
+    results += [_result(f"L0-1 at {r}x", out) for r, out in ((2, "abcd"), (4, "ab"), (8, "abc"))]
+    results += [_result(f"L2 at {r}x", "abcd") for r in (2, 4, 8)]
+    (first, second) = lb.measure(results, {("t", 500, 0): ["abcd"]}, 3, 2, [2, 4, 8])
     assert first.damage == {2: 0.0, 4: 50.0, 8: 50.0}
     assert second.damage == {2: 0.0, 4: 0.0, 8: 0.0}
+
+
+def test_damage_counts_only_answers_dense_gives():
+    """Text after dense's answer, and probes dense does not answer, have nothing to lose."""
+    answers = {("t", 500, 0): ["5289"], ("t", 500, 1): ["7777"]}
+    results = [_result("dense", " 5289. It is a key.", 0), _result("dense", " no idea.", 1)]
+    results += [_result("L0 at 2x", " 5289. It was one.", 0), _result("L0 at 2x", " none", 1)]
+    results += [_result("L0 at 4x", " 52.", 0), _result("L0 at 4x", " 7777", 1)]
+    (band,) = lb.measure(results, answers, 1, 1, [2, 4])
+    assert band.damage == {2: 0.0, 4: 40.0}  # " 5289" loses "89", 2 of its 5 characters, at 4x
+    assert lb.answer_part(" The KEY is 5289. Yes", ["key", "5289"]) == " The KEY is 5289"
+    assert lb.answer_part(" nothing", ["5289"]) == ""
 
 
 def test_calibrate_writes_one_loadable_profile_per_target(tmp_path):
