@@ -1,10 +1,11 @@
 """Plot `kvsparse bench serve --output` reports side by side: output tokens/s and TTFT p50 against
-concurrency. A stock vLLM sweep (the JSON line its peer `sweep.py` prints last) can go beside them.
+concurrency. Stock vLLM sweeps (the JSON line its peer `sweep.py` prints last; bf16 and fp8/fp8, say)
+can go beside them.
 With --per-request, every request's TTFT instead, in ascending order, one panel per concurrency
 level: where a median sits among the rounds of a closed loop.
 
-python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...] [--vllm-sweep SWEEP.json]
-    [--labels "A,B,..."] [--per-request [--target SECONDS]]
+python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...]
+    [--vllm-sweep SWEEP.json ...] [--labels "A,B,..."] [--per-request [--target SECONDS]]
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ def load_report(path: str) -> tuple[str, list[dict]]:
 
 
 def load_vllm_sweep(path: str) -> tuple[str, list[dict]]:
-    """`{"vllm_ttft_sweep": {"rows": [{concurrency, output_tok_per_s, ttft_p50_s, ...}]}}`."""
+    """`{"vllm_ttft_sweep": {"rows": [{concurrency, output_tok_per_s, ttft_p50_s, ...}], ...}}`,
+    labelled with its weights and KV cache dtypes (bf16 where the sweep names none)."""
     with open(path) as f:
         sweep = json.load(f)["vllm_ttft_sweep"]
-    return "stock vLLM 0.24 (in-process)", sweep["rows"]
+    weights = sweep.get("quantization") or "bf16"
+    kv = sweep.get("kv_cache_dtype") or "bf16"
+    return f"stock vLLM 0.24 {weights}/{kv} (in-process)", sweep["rows"]
 
 
 def plot_per_request(plt, runs: list[tuple[str, list[dict]]], target: float | None):
@@ -55,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("reports", nargs="+")
-    parser.add_argument("--vllm-sweep", default=None)
+    parser.add_argument("--vllm-sweep", action="append", default=[],
+                        help="a stock vLLM sweep's JSON; repeat for several")  # fmt: skip
     parser.add_argument("--labels", default=None, help="comma-separated, one per report")
     parser.add_argument("--title", default="")
     parser.add_argument("--per-request", action="store_true",
@@ -81,8 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.per_request:
         save(plot_per_request(plt, runs, args.target), args.out, dpi=110, title=args.title)
         return
-    if args.vllm_sweep:
-        runs.insert(0, load_vllm_sweep(args.vllm_sweep))
+    runs = [load_vllm_sweep(path) for path in args.vllm_sweep] + runs
     fig, (tput, ttft) = plt.subplots(1, 2, figsize=(11, 4.4))
     for label, levels in runs:
         conc = [lv["concurrency"] for lv in levels]

@@ -16,9 +16,9 @@ routed by `service.router.KVCapacityRouter`.
 What keeps it at the standalone server's speed (docs/serving.md, "Ray Serve at full speed"):
 the ingress admits as many requests as `max_inflight_requests` (Serve's own default of 5 would
 hold the rest in its queue), Serve runs in its throughput-optimized mode (`service.ray_env`),
-and engine replicas stream tokens to the ingress `stream_interval` at a time. Clients still
-reach the ingress through Serve's HTTP proxy, which costs time to first token (the same
-section says how much and what would remove it).
+and engine replicas stream tokens to the ingress `stream_interval` at a time. Clients
+reach the ingress through Serve's HTTP proxy, a few milliseconds more to the first token (the
+same section says how much, and what HAProxy changes).
 """
 
 from __future__ import annotations

@@ -114,6 +114,32 @@ def test_a_report_plots_as_curves_and_request_by_request(server, tmp_path):
         plot_serve.main([str(tmp_path / "x.png"), report, "--per-request", "--vllm-sweep", report])
 
 
+def test_vllm_sweeps_plot_beside_a_report_labelled_by_their_dtypes(tmp_path):
+    """Stock vLLM's sweeps in bf16 and in fp8/fp8 (the JSON line its peer sweep.py prints) go on
+    one plot, each named by its weights and KV cache dtypes."""
+    from service import plot_serve
+
+    rows = [{"concurrency": c, "output_tok_per_s": 100.0 * c, "ttft_p50_s": 0.1} for c in (1, 2)]
+    sweeps = {"bf16": {"gmu": 0.17, "rows": rows},
+              "fp8": {"gmu": 0.17, "kv_cache_dtype": "fp8", "quantization": "fp8", "rows": rows}}  # fmt: skip
+    paths = []
+    for name, sweep in sweeps.items():
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps({"vllm_ttft_sweep": sweep}))
+    labels = [plot_serve.load_vllm_sweep(str(path))[0] for path in paths]
+    assert labels == [
+        "stock vLLM 0.24 bf16/bf16 (in-process)",
+        "stock vLLM 0.24 fp8/fp8 (in-process)",
+    ]
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"label": "kvsparse", "levels": rows}))
+    png = tmp_path / "plot.png"
+    plot_serve.main(
+        [str(png), str(report), "--vllm-sweep", str(paths[0]), "--vllm-sweep", str(paths[1])]
+    )
+    assert png.read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "killed"])
 def test_a_stopped_benchmark_takes_its_processes_and_requests_along(server, sig):
     """Interrupted in the middle of a level (Ctrl-C), or killed without a chance to clean up,
