@@ -21,8 +21,10 @@
 #             GPU's scale: every layer alone at 2, 4, 8 and 16x on 12 4000-token probes per task
 #             (seed 1); the profiles replace the shipped ones in this checkout (so a later `budgets` step
 #             in the same run measures them) and are copied to DIR/layer_budgets; writes
-#             calibrate_budgets.{md,log}. EVAL_CALIBRATE_{LENGTHS,SAMPLES,LEVELS,BAND,PROFILE_DIR}
-#             shrink it for a check elsewhere (and keep the shipped profiles)
+#             calibrate_budgets.{md,log}. EVAL_CALIBRATE_REFINE=1 adds `--refine` (every layer
+#             measured again around each target's allocation; about 4 times the probe runs).
+#             EVAL_CALIBRATE_{LENGTHS,SAMPLES,LEVELS,BAND,PROFILE_DIR} shrink it for a check
+#             elsewhere (and keep the shipped profiles)
 # EVAL_STEPS picks the steps (default: grid profiles budgets fp8), e.g. EVAL_STEPS=calibrate-time.
 # All seven tasks, prompts of 1000, 2000, 4000 and 8000 tokens, 10 samples per task and length,
 # SmolLM2-135M-Instruct in bfloat16. Writes grid.{json,md,png}, profiles.{json,md,png} and
@@ -180,6 +182,7 @@ calibrate_budgets() {
         --levels "${EVAL_CALIBRATE_LEVELS:-2,4,8,16}" --band-size "${EVAL_CALIBRATE_BAND:-1}"
         --max-num-seqs 64
         --kv-cache-memory-gb "$KV_GB" --max-num-batched-tokens "$BATCHED" --profile-dir "$shipped")
+    if [ "${EVAL_CALIBRATE_REFINE:-0}" = 1 ]; then args+=(--refine); fi
     run_calibrate calibrate-budgets "${args[@]}"
     mkdir -p "$OUT/layer_budgets"
     cp "$shipped"/*.json "$OUT/layer_budgets/"

@@ -129,6 +129,13 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
         "tokens); each is one KV pool",
     )
     ca.add_argument(
+        "--refine",
+        action="store_true",
+        help="with --target-compression: measure every band again around each target's "
+        "allocation (the other layers compressed as allocated) and re-allocate by that; about "
+        "one more probe run per band, level and target",
+    )
+    ca.add_argument(
         "--profile-dir",
         default=None,
         help="with --target-compression: where the profiles go (default: the shipped ones)",
@@ -289,9 +296,25 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
         )
     out_dir = Path(args.profile_dir) if args.profile_dir else LAYER_BUDGET_DIR / name
     out_dir.mkdir(parents=True, exist_ok=True)
+    allocations = {target: lb.allocate(damages, num_layers, target) for target in targets}
+    first_pass = {target: ratios for target, (ratios, _) in allocations.items()}
+    refinements: dict[float, dict] = {}
+    if args.refine:
+        allocations, refinements = _refine(
+            args, first_pass, probe_results, answers, samples, settings, source
+        )
+    method = (
+        f"snapkv; per band of {args.band_size} layers, divergence from dense's answer (up to "
+        f"its last expected answer, probes dense answers) with only the band compressed at "
+        f"each level; levels chosen by exact knapsack minimising summed divergence"
+    )
+    if args.refine:
+        method += (
+            "; refined: every band measured again at each option with the other layers as "
+            "first allocated, and re-allocated by the change of divergence"
+        )
     chosen = {}
-    for target in targets:
-        ratios, damage = lb.allocate(damages, num_layers, target)
+    for target, (ratios, damage) in allocations.items():
         chosen[target] = ratios
         profile = {
             "model": name,
@@ -299,17 +322,10 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             "effective_compression": round(ratios_compression(ratios), 3),
             "layer_ratios": list(ratios),
             "levels": levels,
-            "method": (
-                f"snapkv; per band of {args.band_size} layers, divergence from dense's answer "
-                f"(up to its last expected answer, probes dense answers) with only the band "
-                f"compressed at each level; levels chosen by exact knapsack minimising summed "
-                f"divergence under {target:g}x"
-            ),
+            "method": f"{method} under {target:g}x",
             "predicted_damage": round(damage, 2),
-            "sensitivity": [
-                {"layers": d.layers, "damage": {str(r): round(v, 2) for r, v in d.damage.items()}}
-                for d in damages
-            ],
+            "sensitivity": _damage_table(damages),
+            **({"refinement": refinements[target]} if args.refine else {}),
             "suite": {"tasks": args.tasks, "lengths": args.lengths, "samples": args.samples},
             "seed": args.seed,
             "date": date.today().isoformat(),
@@ -326,6 +342,11 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
         for c in lb.comparison_configs(targets, [], num_layers, chosen)
         if c.name.startswith(wanted)
     ]
+    if args.refine:  # what the refinement changed, measured beside it
+        configs += [
+            EvalConfig("snapkv", t, layer_budgets=first_pass[t], label=f"first-pass@{t:g}x")
+            for t in targets
+        ]
     _note(f"comparison on {len(compare_samples)} prompts of seed {args.compare_seed}")
     compare = run_suite(configs, compare_samples, settings, source=source)
     _write(args, compare, f"{name}: per-layer budgets at equal compression", plot_it=False)
@@ -334,6 +355,63 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             json.dumps(as_dicts(probe_results)) + "\n"
         )
     return 0
+
+
+def _refine(
+    args: argparse.Namespace,
+    first_pass: dict[float, tuple[int | None, ...]],
+    probe_results: list[SampleResult],
+    answers: dict[lb.ProbeKey, list[str]],
+    samples: list[Sample],
+    settings: RunSettings,
+    source: object,
+) -> tuple[dict[float, tuple[tuple[int | None, ...], float]], dict[float, dict]]:
+    """Each target's allocation re-made from measurements around it (layer_budgets.py, step
+    3), all targets in one run: per target the new allocation with its predicted damage, and
+    what its profile records of the refinement."""
+    levels = _ints(args.levels)
+    configs = [
+        c
+        for target, base in first_pass.items()
+        for c in lb.refine_configs(base, args.band_size, levels, f"{target:g}x")
+    ]
+    _note(f"refine: {len(configs)} configs around the {len(first_pass)} allocations")
+    results = probe_results + run_suite(configs, samples, settings, source=source)
+    allocations, records = {}, {}
+    for target, base in first_pass.items():
+        tag = f"{target:g}x"
+        changes, at_base = lb.measure_around(results, answers, base, args.band_size, levels, tag)
+        ratios, change = lb.allocate(changes, len(base), target)
+        allocations[target] = (ratios, at_base + change)
+        records[target] = {
+            "operating_point": list(base),
+            "damage_at_operating_point": round(at_base, 2),
+            "changes": _damage_table(changes),
+        }
+        _note(f"{tag}: damage {at_base:.1f} at the first allocation; changes from it:")
+        for d in changes:
+            _note(
+                f"  layers {cal.span(d.layers)}: "
+                + "  ".join(f"{_option(r)} {v:+.1f}" for r, v in d.damage.items())
+            )
+    return allocations, records
+
+
+def _damage_table(damages: list[lb.BandDamage]) -> list[dict]:
+    """The profile's record of a damage table: per band, level ("2", ...; "whole") -> points."""
+    return [
+        {
+            "layers": d.layers,
+            "damage": {
+                ("whole" if r is None else str(r)): round(v, 2) for r, v in d.damage.items()
+            },
+        }
+        for d in damages
+    ]
+
+
+def _option(level: int | None) -> str:
+    return "whole" if level is None else f"{level}x"
 
 
 def _note(text: str) -> None:

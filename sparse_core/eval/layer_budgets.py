@@ -21,6 +21,15 @@ and any change of the logits rewrites it; counted, it gave every layer a damage 
 whatever its budget (docs/layer_budgets.md). Why sums of single-band damage: measuring
 bands together needs a run per combination; the sum is the first-order estimate, and the
 comparison the calibration runs afterwards checks the allocation as a whole.
+
+3. Refinement (optional, `kvsparse calibrate --refine`). Measured from dense, most layers of
+   SmolLM2 lose nothing compressed alone, yet compressed together they lose 10 points: the sum
+   of single-band damages is blind to what layers lose together. So each target's allocation
+   becomes an operating point, and every band is measured again there: each other option
+   (whole, or another level) with the rest at the operating point, its damage the change of
+   divergence from dense's answers against the operating point itself (negative where the band
+   gives answers back). The same knapsack then re-allocates by these changes: a first-order
+   step around where the profile will run instead of around dense.
 """
 
 from __future__ import annotations
@@ -38,7 +47,11 @@ TIE_BREAK = 1e-3  # damage points per halving of one layer's budget
 @dataclass
 class BandDamage:
     layers: list[int]
-    damage: dict[int, float]  # level r -> points of dense's answers lost keeping length / r
+    # Option (a level r: the band keeps length / r tokens; None: whole) -> points of dense's
+    # answers lost against a reference: every layer whole for the sensitivity measurement (where
+    # whole is 0 and left out), the operating point for a refinement (where the band's own
+    # option there is 0).
+    damage: dict[int | None, float]
 
 
 def probe_configs(num_layers: int, band_size: int, levels: list[int]) -> list[EvalConfig]:
@@ -47,14 +60,7 @@ def probe_configs(num_layers: int, band_size: int, levels: list[int]) -> list[Ev
     for band in bands(num_layers, band_size):
         for r in levels:
             ratios = tuple(r if i in band else None for i in range(num_layers))
-            configs.append(
-                EvalConfig(
-                    "snapkv",
-                    ratios_compression(ratios),
-                    layer_budgets=ratios,
-                    label=_probe_label(band, r),
-                )
-            )
+            configs.append(_levels_config(ratios, _probe_label(band, r)))
     return configs
 
 
@@ -70,6 +76,65 @@ def measure(
 ) -> list[BandDamage]:
     """Each band's damage at each level, from the results of `probe_configs` and each probe's
     expected answers."""
+    points = _divergence_points(results, answers)
+    out = []
+    for band in bands(num_layers, band_size):
+        damage: dict[int | None, float] = {}
+        worst = 0.0
+        for r in sorted(levels):
+            worst = max(worst, points.get(_probe_label(band, r), 0.0))
+            damage[r] = worst
+        out.append(BandDamage(band, damage))
+    return out
+
+
+def refine_configs(
+    base: tuple[int | None, ...], band_size: int, levels: list[int], tag: str
+) -> list[EvalConfig]:
+    """The operating point `base` (per-layer levels, None: whole), then every band at each of
+    its other options (whole or a level) with the other layers at `base`. `tag` names the
+    operating point in the labels (one run can hold several)."""
+    configs = [_levels_config(base, f"{tag}: operating point")]
+    for band in bands(len(base), band_size):
+        for option in (None, *levels):
+            if any(base[i] != option for i in band):
+                ratios = tuple(option if i in band else r for i, r in enumerate(base))
+                configs.append(_levels_config(ratios, _refine_label(tag, band, option)))
+    return configs
+
+
+def measure_around(
+    results: list[SampleResult],
+    answers: dict[ProbeKey, list[str]],
+    base: tuple[int | None, ...],
+    band_size: int,
+    levels: list[int],
+    tag: str,
+) -> tuple[list[BandDamage], float]:
+    """Each band's change of damage moving alone from the operating point to each option, from
+    the results of `refine_configs` (and dense's); made non-decreasing from whole to the highest
+    level. Returns them and the damage at the operating point."""
+    points = _divergence_points(results, answers)
+    at_base = points.get(f"{tag}: operating point", 0.0)
+    out = []
+    for band in bands(len(base), band_size):
+        change: dict[int | None, float] = {}
+        worst = -math.inf
+        for option in (None, *sorted(levels)):
+            here = 0.0
+            if any(base[i] != option for i in band):
+                here = points.get(_refine_label(tag, band, option), at_base) - at_base
+            worst = max(worst, here)
+            change[option] = worst
+        out.append(BandDamage(band, change))
+    return out, at_base
+
+
+def _divergence_points(
+    results: list[SampleResult], answers: dict[ProbeKey, list[str]]
+) -> dict[str, float]:
+    """Per config, the mean divergence (points) from dense's answer over the probes that dense
+    answers; configs with no such probe are left out."""
     references = {}
     for r in results:
         if r.config == "dense":
@@ -82,16 +147,7 @@ def measure(
         reference = references.get((r.task, r.length, r.index))
         if r.config != "dense" and reference:
             by_config.setdefault(r.config, []).append(divergence(reference, r.output))
-    out = []
-    for band in bands(num_layers, band_size):
-        damage, worst = {}, 0.0
-        for r in sorted(levels):
-            values = by_config.get(_probe_label(band, r), [])
-            if values:
-                worst = max(worst, 100 * sum(values) / len(values))
-            damage[r] = worst
-        out.append(BandDamage(band, damage))
-    return out
+    return {config: 100 * sum(v) / len(v) for config, v in by_config.items()}
 
 
 def answer_part(output: str, answers: list[str]) -> str:
@@ -119,17 +175,20 @@ def allocate(
 ) -> tuple[tuple[int | None, ...], float]:
     """Per-layer levels (None: whole) meeting compression `target` with the least summed damage;
     returns them and that damage."""
-    levels = sorted({r for b in damages for r in b.damage})
+    levels = sorted({r for b in damages for r in b.damage if r is not None})
     unit = math.lcm(*levels)
     capacity = math.floor(num_layers * unit / target + 1e-9)
     # best[c]: (damage, choices) of the bands so far, keeping c units of kept fractions
     best: dict[int, tuple[float, list[int | None]]] = {0: (0.0, [])}
     for band in damages:
         size = len(band.layers)
-        options: list[tuple[int | None, int, float]] = [(None, size * unit, 0.0)]
+        options: list[tuple[int | None, int, float]] = [
+            (None, size * unit, band.damage.get(None, 0.0))
+        ]
         options += [
             (r, size * unit // r, d + TIE_BREAK * size * math.log2(r))
             for r, d in band.damage.items()
+            if r is not None
         ]
         nxt: dict[int, tuple[float, list[int | None]]] = {}
         for used, (damage, choices) in best.items():
@@ -149,7 +208,7 @@ def allocate(
     for band, level in zip(damages, choices, strict=True):
         for i in band.layers:
             per_layer[i] = level
-    measured = sum(b.damage[lv] for b, lv in zip(damages, choices, strict=True) if lv is not None)
+    measured = sum(b.damage.get(lv, 0.0) for b, lv in zip(damages, choices, strict=True))
     return tuple(per_layer), measured
 
 
@@ -184,3 +243,11 @@ def comparison_configs(
 
 def _probe_label(band: list[int], level: int) -> str:
     return f"{span(band)} at {level}x"
+
+
+def _refine_label(tag: str, band: list[int], option: int | None) -> str:
+    return f"{tag}: {span(band)} {'whole' if option is None else f'at {option}x'}"
+
+
+def _levels_config(ratios: tuple[int | None, ...], label: str) -> EvalConfig:
+    return EvalConfig("snapkv", ratios_compression(ratios), layer_budgets=ratios, label=label)

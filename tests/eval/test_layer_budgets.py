@@ -77,6 +77,47 @@ def test_damage_counts_only_answers_dense_gives():
     assert lb.answer_part(" nothing", ["5289"]) == ""
 
 
+def test_refinement_moves_each_band_alone_from_the_operating_point():
+    base = (2, 2, None, 4)
+    configs = lb.refine_configs(base, 2, [2, 4], "3x")
+    assert configs[0].layer_budgets == base and configs[0].name == "3x: operating point"
+    moved = {c.name: c.layer_budgets for c in configs[1:]}
+    # Band L0-1 (at 2x) goes whole and to 4x; band L2-3 (mixed) to whole, 2x and 4x.
+    assert moved == {
+        "3x: L0-1 whole": (None, None, None, 4),
+        "3x: L0-1 at 4x": (4, 4, None, 4),
+        "3x: L2-3 whole": (2, 2, None, None),
+        "3x: L2-3 at 2x": (2, 2, 2, 2),
+        "3x: L2-3 at 4x": (2, 2, 4, 4),
+    }
+    assert all(c.ratio == ratios_compression(c.layer_budgets) for c in configs)
+
+
+def test_refinement_measures_changes_against_the_operating_point():
+    """Damage is relative to the operating point (negative where a band gives answers back),
+    never lower for a higher level, and 0 at the band's own option."""
+    answers = {("t", 500, 0): ["abcd"]}
+    results = [_result("dense", "abcd"), _result("4x: operating point", "ab")]  # 50 points lost
+    results += [_result("4x: L0 whole", "abcd"), _result("4x: L0 at 2x", "abc")]
+    results += [_result("4x: L1 whole", "ab"), _result("4x: L1 at 2x", "a")]  # noise: worse
+    results += [_result("4x: L0 at 8x", ""), _result("4x: L1 at 8x", "a")]
+    changes, at_base = lb.measure_around(results, answers, (4, 4), 1, [2, 4, 8], "4x")
+    assert at_base == 50.0
+    assert changes[0].damage == {None: -50.0, 2: -25.0, 4: 0.0, 8: 50.0}
+    assert changes[1].damage == {None: 0.0, 2: 25.0, 4: 25.0, 8: 25.0}
+
+
+def test_allocation_by_changes_keeps_whole_the_band_that_gives_answers_back():
+    changes = _bands(
+        {None: -50.0, 2: 0.0, 4: 1.0},  # layer 0 whole gives answers back
+        *[{None: 0.0, 2: 0.0, 4: 0.0}] * 3,
+        size=1,
+    )
+    ratios, damage = lb.allocate(changes, 4, target=2.0)
+    assert ratios[0] is None and ratios_compression(ratios) == 2.0  # the rest fills the memory
+    assert damage == pytest.approx(-50.0)
+
+
 def test_calibrate_writes_one_loadable_profile_per_target(tmp_path):
     """The real command on dummy:tiny (4 layers, random weights): one probe run, two profiles."""
     from sparse_core.cli import main
@@ -117,3 +158,24 @@ def test_calibrate_writes_one_loadable_profile_per_target(tmp_path):
         assert data["seed"] == 1  # probes are not the evaluation's samples
     with pytest.raises(SystemExit):  # 400 / 32 tokens cannot hold window and sinks
         main([*args[:-2], "--levels", "32", "--profile-dir", str(tmp_path)])
+
+
+def test_calibrate_refines_around_each_allocation(tmp_path, capsys):
+    """--refine on dummy:tiny: each profile records its operating point (the first
+    allocation) and the changes measured there; the comparison shows both allocations."""
+    from sparse_core.cli import main
+
+    args = ["calibrate", "--model", "dummy:tiny", "--target-compression", "2,3", "--levels",
+            "2,4", "--band-size", "2", "--tasks", "passkey", "--lengths", "400", "--samples",
+            "1", "--window", "16", "--device", "cpu", "--kv-cache-memory-gb", "0.01",
+            "--profile-dir", str(tmp_path), "--refine"]  # fmt: skip
+    assert main(args) == 0
+    for target in (2.0, 3.0):
+        profile = BudgetProfile.load(tmp_path / f"{target:g}x.json")
+        assert ratios_compression(profile.layer_ratios) >= target
+        refinement = json.loads(profile.path.read_text())["refinement"]
+        assert ratios_compression(refinement["operating_point"]) >= target
+        assert [band["layers"] for band in refinement["changes"]] == [[0, 1], [2, 3]]
+        assert all(set(b["damage"]) == {"whole", "2", "4"} for b in refinement["changes"])
+    out = capsys.readouterr().out
+    assert "first-pass@2x" in out and "budgets@3x" in out
