@@ -28,8 +28,9 @@ comparison the calibration runs afterwards checks the allocation as a whole.
    becomes an operating point, and every band is measured again there: each other option
    (whole, or another level) with the rest at the operating point, its damage the change of
    divergence from dense's answers against the operating point itself (negative where the band
-   gives answers back). The same knapsack then re-allocates by these changes: a first-order
-   step around where the profile will run instead of around dense.
+   gives answers back), clamped so that keeping more never costs and keeping less never gives
+   back. The same knapsack then re-allocates by these changes: a first-order step around where
+   the profile will run instead of around dense.
 """
 
 from __future__ import annotations
@@ -112,21 +113,30 @@ def measure_around(
     tag: str,
 ) -> tuple[list[BandDamage], float]:
     """Each band's change of damage moving alone from the operating point to each option, from
-    the results of `refine_configs` (and dense's); made non-decreasing from whole to the highest
-    level. Returns them and the damage at the operating point."""
+    the results of `refine_configs` (and dense's). Keeping more tokens than at the operating
+    point never costs and keeping fewer never gives back: from the band's own option (0) the
+    changes are made non-increasing towards whole and non-decreasing towards the highest level
+    (a band of mixed levels has no own option: non-decreasing from whole). Returns them and the
+    damage at the operating point."""
     points = _divergence_points(results, answers)
     at_base = points.get(f"{tag}: operating point", 0.0)
+    options: list[int | None] = [None, *sorted(levels)]
     out = []
     for band in bands(len(base), band_size):
-        change: dict[int | None, float] = {}
-        worst = -math.inf
-        for option in (None, *sorted(levels)):
-            here = 0.0
-            if any(base[i] != option for i in band):
-                here = points.get(_refine_label(tag, band, option), at_base) - at_base
-            worst = max(worst, here)
-            change[option] = worst
-        out.append(BandDamage(band, change))
+        raw = [
+            0.0
+            if all(base[i] == option for i in band)
+            else points.get(_refine_label(tag, band, option), at_base) - at_base
+            for option in options
+        ]
+        own = {base[i] for i in band}
+        start = options.index(own.pop()) if len(own) == 1 else 0
+        change = raw[:]
+        for k in range(start + 1, len(options)):  # less kept: never gives back
+            change[k] = max(change[k], change[k - 1])
+        for k in range(start - 1, -1, -1):  # more kept: never costs
+            change[k] = min(change[k], change[k + 1])
+        out.append(BandDamage(band, dict(zip(options, change, strict=True))))
     return out, at_base
 
 

@@ -95,7 +95,7 @@ def test_refinement_moves_each_band_alone_from_the_operating_point():
 
 def test_refinement_measures_changes_against_the_operating_point():
     """Damage is relative to the operating point (negative where a band gives answers back),
-    never lower for a higher level, and 0 at the band's own option."""
+    0 at the band's own option; keeping more never costs and keeping less never gives back."""
     answers = {("t", 500, 0): ["abcd"]}
     results = [_result("dense", "abcd"), _result("4x: operating point", "ab")]  # 50 points lost
     results += [_result("4x: L0 whole", "abcd"), _result("4x: L0 at 2x", "abc")]
@@ -104,7 +104,7 @@ def test_refinement_measures_changes_against_the_operating_point():
     changes, at_base = lb.measure_around(results, answers, (4, 4), 1, [2, 4, 8], "4x")
     assert at_base == 50.0
     assert changes[0].damage == {None: -50.0, 2: -25.0, 4: 0.0, 8: 50.0}
-    assert changes[1].damage == {None: 0.0, 2: 25.0, 4: 25.0, 8: 25.0}
+    assert changes[1].damage == {None: 0.0, 2: 0.0, 4: 0.0, 8: 25.0}
 
 
 def test_allocation_by_changes_keeps_whole_the_band_that_gives_answers_back():
