@@ -31,6 +31,10 @@
 #   vllm-sweep     stock vLLM: only its concurrency sweep under the same cap
 #   vllm-uncapped  stock vLLM: offline throughput, no cap
 #   vllm-fp8       stock vLLM with FP8 weights and FP8 KV cache: offline throughput under the cap
+#   vllm-plugin    stock vLLM beside the same vLLM with kvsparse's plugin (snapkv, 3 layers whole,
+#                  budget 512), offline under the same cap, each in its own process: tok/s, vLLM's
+#                  KV blocks, most sequences running and vLLM's free blocks then
+#                  (python -m sparse_core.bench.vllm_plugin; $PLUGIN_ARGS adds its flags)
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
 # serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
@@ -202,6 +206,12 @@ step_vllm-fp8() {
     python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" --kv-cache-dtype fp8 \
         --quantization fp8 2>&1 | tee "$OUT/vllm_cap24_fp8.log" | tail -1 >"$OUT/vllm_cap24_fp8.json"
     cat "$OUT/vllm_cap24_fp8.json"
+}
+
+step_vllm-plugin() {
+    # shellcheck disable=SC2086  # PLUGIN_ARGS is a list of flags
+    python3 -m sparse_core.bench.vllm_plugin --num-prompts "$NUM_PROMPTS" ${PLUGIN_ARGS:-} \
+        --json "$OUT/vllm_plugin.json" 2>"$OUT/vllm_plugin.log"
 }
 
 step_vllm-uncapped() {

@@ -24,10 +24,15 @@ from sparse_core.policy import plan_layers
 
 class VllmAsyncLLM:
     def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
+        from sparse_core.vllm_plugin.engine import (
+            ensure_entry_point,
+            plugin_config,
+            vllm_model_path,
+        )
+
+        ensure_entry_point()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
-
-        from sparse_core.vllm_plugin.engine import plugin_config, vllm_model_path
 
         self.config = config
         name = config.model if config.model in BUILTIN_MODELS else Path(config.model).stem

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,15 +12,38 @@ from typing import Any
 
 from sparse_core.config import SparsityConfig
 from sparse_core.models.loader import BUILTIN_MODELS
-from sparse_core.vllm_plugin.hf_export import export_hf_dir
+from sparse_core.vllm_plugin.hf_export import CACHE_DIR, export_hf_dir
 from sparse_core.vllm_plugin.settings import CONFIG_KEY
 
 
 def vllm_model_path(model: str) -> str:
-    """A path vLLM can load: built-in aliases and GGUF files become a Hugging Face directory."""
-    if model in BUILTIN_MODELS or model.endswith(".gguf"):
+    """A path vLLM can load: built-in aliases, GGUF files and dummy models become a Hugging Face
+    directory (a dummy model's holds its config alone)."""
+    if model in BUILTIN_MODELS or model.endswith(".gguf") or model.startswith("dummy:"):
         return str(export_hf_dir(model))
     return model
+
+
+def ensure_entry_point() -> None:
+    """vLLM finds the plugin through the installed package's entry point, in each process it
+    starts. A checkout that is only on PYTHONPATH (not pip-installed, as on a benchmark machine)
+    has no package record: write a minimal one and put its directory on sys.path and on the
+    PYTHONPATH that vLLM's processes inherit."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "kvsparse" for ep in entry_points(group="vllm.general_plugins")):
+        return
+    root = CACHE_DIR / "entry-point"
+    record = root / "kvsparse-0.1.0.dist-info"
+    record.mkdir(parents=True, exist_ok=True)
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: kvsparse\nVersion: 0.1.0\n")
+    (record / "entry_points.txt").write_text(
+        "[vllm.general_plugins]\nkvsparse = sparse_core.vllm_plugin:register\n"
+    )
+    sys.path.append(str(root))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.environ.get("PYTHONPATH"), str(root)])
+    )
 
 
 def plugin_config(
@@ -46,9 +71,13 @@ def vllm_llm(
 ) -> Iterator[Any]:
     """A `vllm.LLM` running `model` with kvsparse's `sparsity` (None: stock vLLM), shut down on
     exit. The model's name (the alias, or the file's stem) picks its calibrated profile;
-    `expected_input_len` sizes layer_budgets="auto"."""
+    `expected_input_len` sizes layer_budgets="auto". A `dummy:<preset>` model runs on random
+    weights and takes token ids only."""
+    ensure_entry_point()
     from vllm import LLM
 
+    if model.startswith("dummy:"):
+        engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, **engine_args}
     name = model if model in BUILTIN_MODELS else Path(model).stem
     llm = LLM(
         model=vllm_model_path(model),

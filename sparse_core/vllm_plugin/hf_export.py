@@ -3,6 +3,8 @@
 vLLM loads Hugging Face directories; the built-in SmolLM2 ships only as a Q4_1 GGUF. Exporting
 the weights our loader dequantised (float32, Q/K rows already in HF order) gives vLLM exactly
 the numbers our native engine runs on, so the two engines can be compared token for token.
+A `dummy:<preset>` model has no weights: its directory holds only `config.json`, which vLLM
+fills with random weights (`load_format="dummy"`), as the benchmarks' random-weight models.
 """
 
 from __future__ import annotations
@@ -10,25 +12,42 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import save_file
 
+from sparse_core.models.config import ModelConfig
 from sparse_core.models.loader import load_model_source
 
 CACHE_DIR = Path(os.environ.get("KVSPARSE_CACHE", Path.home() / ".cache" / "kvsparse"))
 
 
 def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
-    """The directory holding `model` in Hugging Face format, written on first use."""
-    out = Path(out_dir) if out_dir is not None else CACHE_DIR / "hf" / Path(model).stem
+    """The directory holding `model` in Hugging Face format, written on first use (for a dummy
+    model, its config alone)."""
+    name = model.replace(":", "-") if model.startswith("dummy:") else Path(model).stem
+    out = Path(out_dir) if out_dir is not None else CACHE_DIR / "hf" / name
     if (out / "config.json").is_file():
         return out
     source = load_model_source(model)
-    if source.weights is None:
-        raise ValueError(f"{model!r} has no weights to export (dummy models are random)")
     out.mkdir(parents=True, exist_ok=True)
-    c = source.config
-    config = {
+    dtype = "bfloat16"
+    if source.weights is not None:
+        dtype = "float32"
+        weights = {name: t.contiguous() for name, t in source.weights.items()}
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        source.tokenizer._backend().save_pretrained(str(out))
+    # config.json last, and renamed into place: a crash never leaves a directory that looks
+    # complete (its presence is what marks the export done).
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(hf_config(source.config, dtype), indent=2))
+    tmp.rename(out / "config.json")
+    return out
+
+
+def hf_config(c: ModelConfig, dtype: str) -> dict[str, Any]:
+    """A Llama-architecture `config.json` for `c`."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
@@ -46,15 +65,8 @@ def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
         "attention_bias": c.attention_bias,
         "hidden_act": "silu",
         "bos_token_id": c.bos_token_id,
-        "eos_token_id": c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids,
-        "torch_dtype": "float32",
+        "eos_token_id": (
+            c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None
+        ),
+        "torch_dtype": dtype,
     }
-    weights = {name: t.contiguous() for name, t in source.weights.items()}
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    source.tokenizer._backend().save_pretrained(str(out))
-    # config.json last, and renamed into place: a crash never leaves a directory that looks
-    # complete (its presence is what marks the export done).
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2))
-    tmp.rename(out / "config.json")
-    return out

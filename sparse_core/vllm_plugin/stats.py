@@ -38,3 +38,15 @@ class StatsSink(StatLoggerBase):
 
     def log_engine_initialized(self) -> None:
         pass
+
+
+def vllm_metrics(llm: Any) -> dict[str, Any]:
+    """An offline `vllm.LLM`'s own metrics by name (it needs `disable_log_stats=False`)."""
+    return {m.name: m for m in llm.llm_engine.get_metrics()}
+
+
+def free_blocks(llm: Any) -> int:
+    """Free KV blocks as vLLM's own metrics report them (usage = 1 - free / usable)."""
+    metrics = vllm_metrics(llm)
+    usable = int(metrics["vllm:cache_config_info"].labels["num_gpu_blocks"]) - 1  # minus null
+    return round((1.0 - metrics["vllm:kv_cache_usage_perc"].value) * usable)

@@ -15,13 +15,6 @@ class Run:
     backends: set[str]  # attention implementations the worker's layers run
 
 
-def free_blocks(llm) -> int:
-    """Free KV blocks as vLLM's own metrics report them (usage = 1 - free / usable)."""
-    metrics = {m.name: m for m in llm.llm_engine.get_metrics()}
-    usable = int(metrics["vllm:cache_config_info"].labels["num_gpu_blocks"]) - 1  # minus null
-    return round((1.0 - metrics["vllm:kv_cache_usage_perc"].value) * usable)
-
-
 def _worker_layout(worker) -> tuple[list, set]:
     config = worker.model_runner.kv_cache_config
     groups = [
@@ -38,6 +31,8 @@ def _worker_layout(worker) -> tuple[list, set]:
 
 def run_steps(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     from vllm import SamplingParams, TokensPrompt
+
+    from sparse_core.vllm_plugin.stats import free_blocks
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

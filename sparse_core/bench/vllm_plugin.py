@@ -1,0 +1,209 @@
+"""Stock vLLM beside the same vLLM with kvsparse's plugin: offline throughput at one memory budget,
+with vLLM's own KV accounting while the sequences run.
+
+    python -m sparse_core.bench.vllm_plugin [--engines stock,plugin] [--model dummy:llama3-8b]
+        [--gpu-memory-utilization 0.17] [--num-prompts 128] [--input-len 4000]
+        [--output-len 500] [--policy snapkv --budget 512 --full-layers 3]
+        [--engine-arg KEY=VALUE ...] [--plugin-arg KEY=VALUE ...] [--json OUT.json]
+
+Each engine runs in a process of its own (vLLM picks its attention backend once per process), on
+the same random prompts (token ids), greedy, `ignore_eos`. Per engine: output tokens/s from the
+first request to the last token, vLLM's KV cache (blocks and tokens), the most sequences running
+at once, vLLM's free blocks then, and preemptions. The defaults are the GPU benchmarks' shape
+(docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of an H200, as in stock
+vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from sparse_core.bench.workload import random_prompt, sparsity_for
+from sparse_core.config import SparsityConfig
+from sparse_core.models.loader import load_model_source
+
+ENGINES = ("stock", "plugin")
+# Metrics are read every this many engine steps: often enough to see the most sequences running
+# (it changes as requests finish), rarely enough not to slow the steps measured.
+SAMPLE_EVERY = 8
+
+
+def engine_arg(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as JSON where it parses (numbers, true/false), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--engine-arg takes KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    """One engine (`args.only`) in this process: the run's figures."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from sparse_core.vllm_plugin.engine import vllm_llm
+    from sparse_core.vllm_plugin.stats import free_blocks, vllm_metrics
+
+    plugin = args.only == "plugin"
+    sparsity = sparsity_for(args.policy, args.budget, args.window, args.full_layers)
+    vocab = load_model_source(args.model).config.vocab_size
+    rng = random.Random(args.seed)
+    prompts = [random_prompt(rng, vocab, args.input_len) for _ in range(args.num_prompts)]
+    engine_args = {
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_model_len": args.input_len + args.output_len,
+        "max_num_seqs": args.max_num_seqs,
+        "disable_log_stats": False,
+        **dict(args.engine_arg),
+        **(dict(args.plugin_arg) if plugin else {}),
+    }
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    with vllm_llm(args.model, sparsity if plugin else None, args.input_len, **engine_args) as llm:
+        engine = llm.llm_engine
+        start = time.perf_counter()
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
+        output_tokens, steps, most_running, free_then = 0, 0, 0, None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    output_tokens += len(out.outputs[0].token_ids)
+            steps += 1
+            if steps % SAMPLE_EVERY == 0:
+                running = int(vllm_metrics(llm)["vllm:num_requests_running"].value)
+                if running > most_running:
+                    most_running, free_then = running, free_blocks(llm)
+        wall = time.perf_counter() - start
+        metrics = vllm_metrics(llm)
+        cache = metrics["vllm:cache_config_info"].labels
+    blocks, block_size = int(cache["num_gpu_blocks"]), int(cache["block_size"])
+    return {
+        "engine": "vLLM + kvsparse plugin" if plugin else "stock vLLM",
+        "sparsity": describe(sparsity) if plugin else "none",
+        "model": args.model,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "wall_s": round(wall, 2),
+        "output_tokens": output_tokens,
+        "output_tok_per_s": round(output_tokens / wall, 1),
+        "kv_blocks": blocks,
+        "block_size": block_size,
+        "kv_tokens": blocks * block_size,
+        "most_running": most_running,
+        "free_blocks_at_most_running": free_then,
+        "preemptions": int(metrics["vllm:num_preemptions"].value),
+    }
+
+
+def describe(sparsity: SparsityConfig) -> str:
+    if not sparsity.compresses:
+        return sparsity.policy
+    return f"{sparsity.policy}, budget {sparsity.budget}, {sparsity.full_layers} layers whole"
+
+
+def run_in_child(engine: str, argv: list[str]) -> dict[str, Any]:
+    """`run_engine` for `engine` in a child process; its result, or why it failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "sparse_core.bench.vllm_plugin", *argv]
+        proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False)
+        if proc.returncode != 0:
+            return {"engine": engine, "error": f"exited with status {proc.returncode}"}
+        with open(out) as f:
+            return json.load(f)
+
+
+def without_json(argv: list[str]) -> list[str]:
+    """`argv` less its --json option (each child writes its own)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--json":
+            skip = True
+        elif not arg.startswith("--json="):
+            out.append(arg)
+    return out
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print("| engine | output tok/s | KV tokens | most running | free blocks then | preemptions |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['engine']} | {r['error']} | | | | |")
+            continue
+        print(
+            f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_tokens']:,} | "
+            f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} |"
+        )
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", default=",".join(ENGINES), help="stock, plugin or both")
+    p.add_argument("--only", choices=ENGINES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--model", default="dummy:llama3-8b")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.17)
+    p.add_argument("--num-prompts", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=4000)
+    p.add_argument("--output-len", type=int, default=500)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--policy", default="snapkv", help="the plugin's policy")
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--full-layers", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0, help="of the random prompts")
+    p.add_argument(
+        "--engine-arg",
+        type=engine_arg,
+        action="append",
+        default=[],
+        help="a vLLM engine argument for both engines, KEY=VALUE (e.g. enforce_eager=true)",
+    )
+    p.add_argument(
+        "--plugin-arg",
+        type=engine_arg,
+        action="append",
+        default=[],
+        help="a vLLM engine argument for the plugin's engine only, KEY=VALUE",
+    )
+    p.add_argument("--json", default=None, help="write the results here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.only:
+        result = run_engine(args)
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+        return 0
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        print(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}", file=sys.stderr)
+        return 2
+    results = [run_in_child(engine, without_json(argv)) for engine in engines]
+    print_table(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"results": results}, f, indent=1)
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
