@@ -8,8 +8,10 @@ with vLLM's own KV accounting while the sequences run.
 
 Each engine runs in a process of its own (vLLM picks its attention backend once per process), on
 the same random prompts (token ids), greedy, `ignore_eos`. Per engine: output tokens/s from the
-first request to the last token, vLLM's KV cache (blocks and tokens), the most sequences running
-at once, vLLM's free blocks then, and preemptions. The defaults are the GPU benchmarks' shape
+first request to the last token, vLLM's KV cache in blocks (with the plugin, vLLM lays layers out
+as several KV cache groups, and each block holds block_size tokens of one group's layers, so
+blocks are not tokens of the whole model), the most sequences running at once, vLLM's free
+blocks then, and preemptions. The defaults are the GPU benchmarks' shape
 (docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of an H200, as in stock
 vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
 """
@@ -100,7 +102,6 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "output_tok_per_s": round(output_tokens / wall, 1),
         "kv_blocks": blocks,
         "block_size": block_size,
-        "kv_tokens": blocks * block_size,
         "most_running": most_running,
         "free_blocks_at_most_running": free_then,
         "preemptions": int(metrics["vllm:num_preemptions"].value),
@@ -139,14 +140,14 @@ def without_json(argv: list[str]) -> list[str]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("| engine | output tok/s | KV tokens | most running | free blocks then | preemptions |")
+    print("| engine | output tok/s | KV blocks | most running | free blocks then | preemptions |")
     print("|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['engine']} | {r['error']} | | | | |")
             continue
         print(
-            f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_tokens']:,} | "
+            f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_blocks']:,} | "
             f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} |"
         )
 
