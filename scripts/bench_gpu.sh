@@ -34,7 +34,9 @@
 #   vllm-plugin    stock vLLM beside the same vLLM with kvsparse's plugin (snapkv, 3 layers whole,
 #                  budget 512), offline under the same cap, each in its own process: tok/s, vLLM's
 #                  KV blocks, most sequences running and vLLM's free blocks then
-#                  (python -m sparse_core.bench.vllm_plugin; $PLUGIN_ARGS adds its flags)
+#                  (python -m sparse_core.bench.vllm_plugin; $PLUGIN_ARGS: its flags for the
+#                  plugin, by default eager, the only way the plugin has run on a GPU; set it
+#                  empty to try vLLM's CUDA graphs)
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
 # serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
@@ -210,8 +212,10 @@ step_vllm-fp8() {
 
 step_vllm-plugin() {
     # shellcheck disable=SC2086  # PLUGIN_ARGS is a list of flags
-    python3 -m sparse_core.bench.vllm_plugin --num-prompts "$NUM_PROMPTS" ${PLUGIN_ARGS:-} \
-        --json "$OUT/vllm_plugin.json" 2>"$OUT/vllm_plugin.log"
+    python3 -m sparse_core.bench.vllm_plugin --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
+        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+        ${PLUGIN_ARGS---plugin-arg enforce_eager=true} --json "$OUT/vllm_plugin.json" \
+        2>"$OUT/vllm_plugin.log"
 }
 
 step_vllm-uncapped() {

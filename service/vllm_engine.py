@@ -17,7 +17,6 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import EngineStats
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.models.loader import BUILTIN_MODELS
 from sparse_core.models.tokenizer import Tokenizer
 from sparse_core.policy import plan_layers
 
@@ -27,15 +26,22 @@ class VllmAsyncLLM:
         from sparse_core.vllm_plugin.engine import (
             ensure_entry_point,
             plugin_config,
+            profile_name,
             vllm_model_path,
         )
 
+        if config.model.startswith("dummy:"):
+            raise ValueError(
+                f"engine 'vllm' serves models with weights and a tokenizer, not {config.model}; "
+                f"random-weight models run through vLLM in its benchmark "
+                f"(python -m sparse_core.bench.vllm_plugin)"
+            )
         ensure_entry_point()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.config = config
-        name = config.model if config.model in BUILTIN_MODELS else Path(config.model).stem
+        name = profile_name(config.model)
         path = vllm_model_path(config.model)
         hf = json.loads((Path(path) / "config.json").read_text())
         self.num_layers = hf["num_hidden_layers"]

@@ -42,7 +42,7 @@ def engine_arg(text: str) -> tuple[str, Any]:
     """KEY=VALUE, the value read as JSON where it parses (numbers, true/false), else a string."""
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--engine-arg takes KEY=VALUE, got {text!r}")
+        raise argparse.ArgumentTypeError(f"a vLLM engine argument is KEY=VALUE, got {text!r}")
     try:
         return key, json.loads(value)
     except json.JSONDecodeError:
@@ -81,7 +81,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 if out.finished:
                     output_tokens += len(out.outputs[0].token_ids)
             steps += 1
-            if steps % SAMPLE_EVERY == 0:
+            if steps % SAMPLE_EVERY == 1:  # from the first step on
                 running = int(vllm_metrics(llm)["vllm:num_requests_running"].value)
                 if running > most_running:
                     most_running, free_then = running, free_blocks(llm)
@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(ENGINES))
-    if unknown:
-        print(f"unknown engine(s) {unknown}; choose from {list(ENGINES)}", file=sys.stderr)
+    if unknown or not engines:
+        print(f"--engines takes {' and/or '.join(ENGINES)}, got {args.engines!r}", file=sys.stderr)
         return 2
     results = [run_in_child(engine, without_json(argv)) for engine in engines]
     print_table(results)

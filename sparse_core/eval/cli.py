@@ -301,17 +301,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
     refinements: dict[float, dict] = {}
     if args.refine:
         allocations, refinements = _refine(
-            args, first_pass, probe_results, answers, samples, settings, source
-        )
-    method = (
-        f"snapkv; per band of {args.band_size} layers, divergence from dense's answer (up to "
-        f"its last expected answer, probes dense answers) with only the band compressed at "
-        f"each level; levels chosen by exact knapsack minimising summed divergence"
-    )
-    if args.refine:
-        method += (
-            "; refined: every band measured again at each option with the other layers as "
-            "first allocated, and re-allocated by the change of divergence"
+            args, levels, first_pass, probe_results, answers, samples, settings, source
         )
     chosen = {}
     for target, (ratios, damage) in allocations.items():
@@ -322,7 +312,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             "effective_compression": round(ratios_compression(ratios), 3),
             "layer_ratios": list(ratios),
             "levels": levels,
-            "method": f"{method} under {target:g}x",
+            "method": _budgets_method(args.band_size, target, args.refine),
             "predicted_damage": round(damage, 2),
             "sensitivity": _damage_table(damages),
             **({"refinement": refinements[target]} if args.refine else {}),
@@ -342,11 +332,12 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
         for c in lb.comparison_configs(targets, [], num_layers, chosen)
         if c.name.startswith(wanted)
     ]
-    if args.refine:  # what the refinement changed, measured beside it
-        configs += [
-            EvalConfig("snapkv", t, layer_budgets=first_pass[t], label=f"first-pass@{t:g}x")
-            for t in targets
-        ]
+    # Where the refinement changed an allocation, the first one measured beside it.
+    configs += [
+        EvalConfig("snapkv", t, layer_budgets=first_pass[t], label=f"first-pass@{t:g}x")
+        for t in targets
+        if first_pass[t] != chosen[t]
+    ]
     _note(f"comparison on {len(compare_samples)} prompts of seed {args.compare_seed}")
     compare = run_suite(configs, compare_samples, settings, source=source)
     _write(args, compare, f"{name}: per-layer budgets at equal compression", plot_it=False)
@@ -359,6 +350,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
 
 def _refine(
     args: argparse.Namespace,
+    levels: list[int],
     first_pass: dict[float, tuple[int | None, ...]],
     probe_results: list[SampleResult],
     answers: dict[lb.ProbeKey, list[str]],
@@ -368,8 +360,8 @@ def _refine(
 ) -> tuple[dict[float, tuple[tuple[int | None, ...], float]], dict[float, dict]]:
     """Each target's allocation re-made from measurements around it (layer_budgets.py, step
     3), all targets in one run: per target the new allocation with its predicted damage, and
-    what its profile records of the refinement."""
-    levels = _ints(args.levels)
+    what its profile records of the refinement (its predicted damage, first-order, is bounded
+    below by 0)."""
     configs = [
         c
         for target, base in first_pass.items()
@@ -382,7 +374,7 @@ def _refine(
         tag = f"{target:g}x"
         changes, at_base = lb.measure_around(results, answers, base, args.band_size, levels, tag)
         ratios, change = lb.allocate(changes, len(base), target)
-        allocations[target] = (ratios, at_base + change)
+        allocations[target] = (ratios, max(0.0, at_base + change))
         records[target] = {
             "operating_point": list(base),
             "damage_at_operating_point": round(at_base, 2),
@@ -395,6 +387,21 @@ def _refine(
                 + "  ".join(f"{_option(r)} {v:+.1f}" for r, v in d.damage.items())
             )
     return allocations, records
+
+
+def _budgets_method(band_size: int, target: float, refined: bool) -> str:
+    """How a per-layer budget profile was made, as its file records it."""
+    method = (
+        f"snapkv; per band of {band_size} layers, divergence from dense's answer (up to its "
+        f"last expected answer, probes dense answers) with only the band compressed at each "
+        f"level; levels chosen by exact knapsack minimising summed divergence under {target:g}x"
+    )
+    if refined:
+        method += (
+            "; then every band measured again at each option with the other layers as so "
+            "allocated, and re-allocated by the change of divergence"
+        )
+    return method
 
 
 def _damage_table(damages: list[lb.BandDamage]) -> list[dict]:

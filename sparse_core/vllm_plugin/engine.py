@@ -34,9 +34,9 @@ def ensure_entry_point() -> None:
     if any(ep.name == "kvsparse" for ep in entry_points(group="vllm.general_plugins")):
         return
     root = CACHE_DIR / "entry-point"
-    record = root / "kvsparse-0.1.0.dist-info"
+    record = root / "kvsparse-0+checkout.dist-info"
     record.mkdir(parents=True, exist_ok=True)
-    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: kvsparse\nVersion: 0.1.0\n")
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: kvsparse\nVersion: 0+checkout\n")
     (record / "entry_points.txt").write_text(
         "[vllm.general_plugins]\nkvsparse = sparse_core.vllm_plugin:register\n"
     )
@@ -44,6 +44,12 @@ def ensure_entry_point() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         filter(None, [os.environ.get("PYTHONPATH"), str(root)])
     )
+
+
+def profile_name(model: str) -> str:
+    """The name a model's calibrated profiles are filed under: the alias, else the file's or
+    directory's stem."""
+    return model if model in BUILTIN_MODELS else Path(model).stem
 
 
 def plugin_config(
@@ -78,10 +84,9 @@ def vllm_llm(
 
     if model.startswith("dummy:"):
         engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, **engine_args}
-    name = model if model in BUILTIN_MODELS else Path(model).stem
     llm = LLM(
         model=vllm_model_path(model),
-        additional_config=plugin_config(sparsity, name, expected_input_len),
+        additional_config=plugin_config(sparsity, profile_name(model), expected_input_len),
         **engine_args,
     )
     try:

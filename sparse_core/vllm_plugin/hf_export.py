@@ -34,7 +34,7 @@ def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
     dtype = "bfloat16"
     if source.weights is not None:
         dtype = "float32"
-        weights = {name: t.contiguous() for name, t in source.weights.items()}
+        weights = {key: t.contiguous() for key, t in source.weights.items()}
         save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
         source.tokenizer._backend().save_pretrained(str(out))
     # config.json last, and renamed into place: a crash never leaves a directory that looks
