@@ -59,3 +59,13 @@ def test_supported_vllm_versions(version):
 def test_other_vllm_versions_are_refused_clearly(version):
     with pytest.raises(RuntimeError, match=r"supports vLLM 0\.24 and 0\.32 to 0\.33.*" + version):
         check_vllm_version(version)
+
+
+def test_serving_a_random_weight_model_through_vllm_is_refused_at_start():
+    """`kvsparse serve --engine vllm` needs weights and a tokenizer; a dummy model is refused
+    before vLLM starts, naming where such models do run."""
+    from service.vllm_engine import VllmAsyncLLM
+    from sparse_core.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"sparse_core\.bench\.vllm_plugin"):
+        VllmAsyncLLM(EngineConfig(model="dummy:llama3-8b"), SparsityConfig(policy="snapkv"))
