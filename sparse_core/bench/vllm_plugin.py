@@ -34,7 +34,9 @@ from sparse_core.models.loader import load_model_source
 
 ENGINES = ("stock", "plugin")
 # Metrics are read every this many engine steps: often enough to see the most sequences running
-# (it changes as requests finish), rarely enough not to slow the steps measured.
+# (it changes as requests finish), rarely enough not to slow the steps measured. The first read
+# comes after the first prompts' gap blocks are freed (the step after their prefill); a run of
+# fewer steps reports none.
 SAMPLE_EVERY = 8
 
 
@@ -81,7 +83,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                 if out.finished:
                     output_tokens += len(out.outputs[0].token_ids)
             steps += 1
-            if steps % SAMPLE_EVERY == 1:  # from the first step on
+            if steps % SAMPLE_EVERY == 0:
                 running = int(vllm_metrics(llm)["vllm:num_requests_running"].value)
                 if running > most_running:
                     most_running, free_then = running, free_blocks(llm)
