@@ -10,7 +10,8 @@ import os
 # loop instead of a thread, buffers access logs, sends requests between deployments over gRPC and
 # gives each ingress replica an HTTP port of its own ("direct ingress"). Serve's HAProxy mode
 # (RAY_SERVE_ENABLE_HA_PROXY=1) is left to the user: it saves the Python proxy's few milliseconds
-# to the first token but lets an abandoned non-streamed request run to its end (docs/serving.md, "Ray Serve at full speed").
+# to the first token but lets an abandoned non-streamed request run to its end (docs/serving.md,
+# "Ray Serve at full speed").
 SERVE_ENVIRONMENT = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 
 

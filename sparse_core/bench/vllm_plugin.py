@@ -84,9 +84,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
                     output_tokens += len(out.outputs[0].token_ids)
             steps += 1
             if steps % SAMPLE_EVERY == 0:
-                running = int(vllm_metrics(llm)["vllm:num_requests_running"].value)
+                metrics = vllm_metrics(llm)
+                running = int(metrics["vllm:num_requests_running"].value)
                 if running > most_running:
-                    most_running, free_then = running, free_blocks(llm)
+                    most_running, free_then = running, free_blocks(metrics)
         wall = time.perf_counter() - start
         metrics = vllm_metrics(llm)
         cache = metrics["vllm:cache_config_info"].labels

@@ -301,7 +301,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
     refinements: dict[float, dict] = {}
     if args.refine:
         allocations, refinements = _refine(
-            args, levels, first_pass, probe_results, answers, samples, settings, source
+            args.band_size, levels, first_pass, probe_results, answers, samples, settings, source
         )
     chosen = {}
     for target, (ratios, damage) in allocations.items():
@@ -349,7 +349,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
 
 
 def _refine(
-    args: argparse.Namespace,
+    band_size: int,
     levels: list[int],
     first_pass: dict[float, tuple[int | None, ...]],
     probe_results: list[SampleResult],
@@ -365,14 +365,14 @@ def _refine(
     configs = [
         c
         for target, base in first_pass.items()
-        for c in lb.refine_configs(base, args.band_size, levels, f"{target:g}x")
+        for c in lb.refine_configs(base, band_size, levels, f"{target:g}x")
     ]
     _note(f"refine: {len(configs)} configs around the {len(first_pass)} allocations")
     results = probe_results + run_suite(configs, samples, settings, source=source)
     allocations, records = {}, {}
     for target, base in first_pass.items():
         tag = f"{target:g}x"
-        changes, at_base = lb.measure_around(results, answers, base, args.band_size, levels, tag)
+        changes, at_base = lb.measure_around(results, answers, base, band_size, levels, tag)
         ratios, change = lb.allocate(changes, len(base), target)
         allocations[target] = (ratios, max(0.0, at_base + change))
         records[target] = {

@@ -24,9 +24,9 @@ class StatsSink(StatLoggerBase):
             self.preemptions += getattr(iteration_stats, "num_preempted_reqs", 0)
         if scheduler_stats is None:
             return
-        # vLLM's usage leaves out its null block.
-        total = max((self.vllm_config.cache_config.num_gpu_blocks or 1) - 1, 0)
-        used = round(scheduler_stats.kv_cache_usage * total)
+        total, used = kv_blocks(
+            self.vllm_config.cache_config.num_gpu_blocks or 1, scheduler_stats.kv_cache_usage
+        )
         self.publish(
             EngineStats(
                 num_running=scheduler_stats.num_running_reqs,
@@ -40,13 +40,22 @@ class StatsSink(StatLoggerBase):
         pass
 
 
+def kv_blocks(num_gpu_blocks: int, usage: float) -> tuple[int, int]:
+    """Usable and used KV blocks from vLLM's block count and its usage fraction (which leaves
+    out vLLM's null block)."""
+    usable = max(num_gpu_blocks - 1, 0)
+    return usable, round(usage * usable)
+
+
 def vllm_metrics(llm: Any) -> dict[str, Any]:
     """An offline `vllm.LLM`'s own metrics by name (it needs `disable_log_stats=False`)."""
     return {m.name: m for m in llm.llm_engine.get_metrics()}
 
 
-def free_blocks(llm: Any) -> int:
-    """Free KV blocks as vLLM's own metrics report them (usage = 1 - free / usable)."""
-    metrics = vllm_metrics(llm)
-    usable = int(metrics["vllm:cache_config_info"].labels["num_gpu_blocks"]) - 1  # minus null
-    return round((1.0 - metrics["vllm:kv_cache_usage_perc"].value) * usable)
+def free_blocks(metrics: dict[str, Any]) -> int:
+    """Free KV blocks, from `vllm_metrics`."""
+    usable, used = kv_blocks(
+        int(metrics["vllm:cache_config_info"].labels["num_gpu_blocks"]),
+        metrics["vllm:kv_cache_usage_perc"].value,
+    )
+    return usable - used

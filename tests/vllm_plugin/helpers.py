@@ -32,7 +32,7 @@ def _worker_layout(worker) -> tuple[list, set]:
 def run_steps(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     from vllm import SamplingParams, TokensPrompt
 
-    from sparse_core.vllm_plugin.stats import free_blocks
+    from sparse_core.vllm_plugin.stats import free_blocks, vllm_metrics
 
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -43,7 +43,7 @@ def run_steps(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs[out.request_id] = list(out.outputs[0].token_ids)
-        free[tuple(len(ids) for ids in outputs.values())] = free_blocks(llm)
+        free[tuple(len(ids) for ids in outputs.values())] = free_blocks(vllm_metrics(llm))
     # The answer crosses a process boundary as lists: back to tuples and a set.
     groups, backends = llm.collective_rpc(_worker_layout)[0]
     ids = [outputs[str(i)] for i in range(len(prompts))]
