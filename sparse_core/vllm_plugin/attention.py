@@ -3,23 +3,22 @@
 Full groups attend to everything; in sparse groups the step that completes a prompt scores the
 prompt from its observation window, keeps `budget` tokens per KV head (the engine's selection
 policy, sparse_core/selection.py, one per worker process) and stores only those, compacted into
-positions [0, budget). The kernels are the engine's: plain torch on
-CPU; on CUDA the Triton prefill (which returns LSE) and window scores, with torch stores and
-decode, because vLLM's cache views are strided differently from the engine's pools.
+positions [0, budget). The kernels are the engine's (plain torch on CPU, Triton on CUDA), run on
+strided views of vLLM's cache (decode_tables.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, AttentionType
 
 from sparse_core.config import SparsityConfig
-from sparse_core.kernels import KernelOps, get_ops, reference
+from sparse_core.kernels import KernelOps, get_ops
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 from sparse_core.vllm_plugin.compat import BACKEND_NAME, TokenMajorKVCache
+from sparse_core.vllm_plugin.decode_tables import pages_of, split_kv_cache
 from sparse_core.vllm_plugin.metadata import KVSparseMetadata, KVSparseMetadataBuilder
 from sparse_core.vllm_plugin.settings import current_settings
 
@@ -44,23 +43,6 @@ class KVSparseAttentionBackend(TokenMajorKVCache, AttentionBackend):
         return KVSparseMetadataBuilder
 
 
-def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's per-layer view [blocks, kv_heads, block_size, 2 * head_size] -> K and V caches
-    [blocks, block_size, kv_heads, head_size] (strided views of the same memory)."""
-    by_token = kv_cache.transpose(1, 2)
-    return by_token[..., :head_size], by_token[..., head_size:]
-
-
-def plugin_ops(device: torch.device) -> KernelOps:
-    ops = get_ops(device)
-    return dataclasses.replace(
-        ops,
-        store_kv=reference.store_kv,
-        store_selected_kv=reference.store_selected_kv,
-        paged_decode_attention=reference.paged_decode_attention,
-    )
-
-
 # One selection policy per worker process (a vLLM worker is one rank) and sparsity settings,
 # shared by its layers: the random policy then draws one stream across them, as in the engine.
 _policies: dict[tuple[str, torch.device], SelectionPolicy | None] = {}
@@ -69,7 +51,7 @@ _policies: dict[tuple[str, torch.device], SelectionPolicy | None] = {}
 def rank_policy(sparsity: SparsityConfig, device: torch.device) -> SelectionPolicy | None:
     key = (repr(sparsity), device)
     if key not in _policies:
-        _policies[key] = selection_policy(sparsity, plugin_ops(device))
+        _policies[key] = selection_policy(sparsity, get_ops(device))
     return _policies[key]
 
 
@@ -129,7 +111,7 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
             return output
         m = attn_metadata
         if self.ops is None:
-            self.ops = plugin_ops(query.device)
+            self.ops = get_ops(query.device)
             self.selection = rank_policy(self.sparsity, query.device)
         ops = self.ops
         n = m.num_actual_tokens
@@ -149,14 +131,11 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
                 kept = self.selection.select(qp, kp, lse, prompts, m.budget, self.scale)
                 ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots)
         if len(m.decode_index):
-            # Block size 1: the slot table addresses single token slots.
-            k_slots = k_cache.reshape(-1, 1, *k_cache.shape[2:])
-            v_slots = v_cache.reshape(-1, 1, *v_cache.shape[2:])
             decode_out = ops.paged_decode_attention(
                 q[m.decode_index],
-                k_slots,
-                v_slots,
-                m.decode_slot_table,
+                pages_of(k_cache, m.decode_page_size),
+                pages_of(v_cache, m.decode_page_size),
+                m.decode_table,
                 m.decode_context_lens,
                 self.scale,
                 m.decode_max_len,

@@ -1,10 +1,12 @@
 """Per-step attention metadata of one KV cache group, built from vLLM's common metadata.
 
 Each request row of a step is either a whole prompt (chunked prefill and prefix caching are off
-while the plugin is active) or one decode token. Decode reads its context through a *slot table*:
-the cache slot of every token it may attend to, in order. For a compacted request in a sparse
-group that is the kept tokens at positions [0, budget) followed by the generated tokens at
-[n, seq_len); the gap in between is never read, so its blocks can be freed.
+while the plugin is active) or one decode token. Decode reads its context through a table
+(decode_tables.py): a full group's block table, in pages of block_size tokens; in a sparse
+group the cache slot of every token it attends to (pages of one token): for a compacted request
+the kept tokens at positions [0, budget) followed by the generated tokens at [n, seq_len); the
+gap in between is never read, so its blocks can be freed. The tables are built on the device,
+from the block table vLLM already put there.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 
+from sparse_core.vllm_plugin.decode_tables import context_slot_table
 from sparse_core.vllm_plugin.kv_spec import BudgetAttentionSpec
 
 
@@ -31,9 +34,11 @@ class KVSparseMetadata:
     # positions [0, budget) of each, where its kept tokens go.
     compress_bounds: list[tuple[int, int]]
     kept_slots: torch.Tensor
-    # Decode tokens: [D] indices into the step, their slot tables [D, max_len] and lengths.
+    # Decode tokens: [D] indices into the step, their context tables [D, max_pages] in pages of
+    # `decode_page_size` tokens, and their context lengths.
     decode_index: torch.Tensor
-    decode_slot_table: torch.Tensor
+    decode_table: torch.Tensor
+    decode_page_size: int
     decode_context_lens: torch.Tensor
     decode_max_len: int
 
@@ -58,16 +63,18 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
     ) -> KVSparseMetadata:
         cm = common_attn_metadata
         num_tokens = cm.num_actual_tokens
+        device = self.device
         starts = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-        seq_lens = cm.seq_lens.cpu()[: cm.num_reqs].tolist()
-        block_table = cm.block_table_tensor.cpu()
-        slot_mapping = cm.slot_mapping[:num_tokens].cpu().long()
-        store_slots = slot_mapping.clone()
+        seq_lens = cm.seq_lens[: cm.num_reqs].tolist()
+        block_table = cm.block_table_tensor[: cm.num_reqs]
+        # First blocks key the prompt lengths; a full group needs none.
+        first_blocks = block_table[:, 0].tolist() if self.budget is not None else []
+        slot_mapping = cm.slot_mapping[:num_tokens]
         prefill_rows: list[tuple[int, int]] = []
         compress_bounds: list[tuple[int, int]] = []
+        compressed_rows: list[tuple[int, int]] = []
         kept_slots: list[torch.Tensor] = []
         decode_tokens: list[int] = []
-        decode_positions: list[torch.Tensor] = []
         decode_rows: list[int] = []
         packed = 0
         for row in range(cm.num_reqs):
@@ -75,66 +82,84 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             num_new, seq_len = end - start, seq_lens[row]
             if num_new == 0:
                 continue
-            first_block = int(block_table[row, 0])
             if num_new == seq_len:
-                self.prompt_len_by_first_block[first_block] = seq_len
+                if self.budget is not None:
+                    self.prompt_len_by_first_block[first_blocks[row]] = seq_len
                 prefill_rows.append((start, end))
                 if self.budget is not None and seq_len > self.budget:
                     compress_bounds.append((packed, packed + seq_len))
+                    compressed_rows.append((start, end))
                     kept_slots.append(slot_mapping[start : start + self.budget])
-                    store_slots[start:end] = -1
                 packed += seq_len
             elif num_new == 1:
                 decode_tokens.append(start)
                 decode_rows.append(row)
-                decode_positions.append(self._context_positions(first_block, seq_len))
             else:
                 raise NotImplementedError(
                     "kvsparse: a step continued a partly computed prompt (chunked prefill, "
                     "prefix caching or speculative decoding); the plugin needs whole prompts"
                 )
+        store_slots = slot_mapping.long()
+        if compressed_rows:
+            # A compressed prompt's tokens are stored by the compaction, not here.
+            store_slots = store_slots.clone()
+            for start, end in compressed_rows:
+                store_slots[start:end] = -1
         prefill_index = torch.cat(
             [torch.arange(s, e) for s, e in prefill_rows] or [torch.empty(0, dtype=torch.long)]
         )
         lengths = torch.tensor([e - s for s, e in prefill_rows], dtype=torch.int32)
         cu_seqlens = torch.zeros(len(prefill_rows) + 1, dtype=torch.int32)
         cu_seqlens[1:] = torch.cumsum(lengths, 0)
-        slot_table, context_lens = self._slot_tables(block_table, decode_rows, decode_positions)
-        device = self.device
+        decode_seq_lens = [seq_lens[r] for r in decode_rows]
+        decode_first_blocks = [first_blocks[r] for r in decode_rows] if first_blocks else []
+        table, page_size, context_lens = self._decode_tables(
+            block_table, decode_rows, decode_seq_lens, decode_first_blocks
+        )
         return KVSparseMetadata(
             num_actual_tokens=num_tokens,
             budget=self.budget,
-            store_slots=store_slots.to(device),
+            store_slots=store_slots,
             prefill_index=prefill_index.to(device),
             prefill_cu_seqlens=cu_seqlens.to(device),
             prefill_max_len=int(lengths.max()) if len(lengths) else 0,
             compress_bounds=compress_bounds,
-            kept_slots=torch.cat(kept_slots or [torch.empty(0, dtype=torch.long)]).to(device),
+            kept_slots=torch.cat(kept_slots).long()
+            if kept_slots
+            else torch.empty(0, dtype=torch.long, device=device),
             decode_index=torch.tensor(decode_tokens, dtype=torch.long).to(device),
-            decode_slot_table=slot_table.to(device),
+            decode_table=table,
+            decode_page_size=page_size,
             decode_context_lens=context_lens.to(device),
             decode_max_len=int(context_lens.max()) if len(context_lens) else 0,
         )
 
-    def _context_positions(self, first_block: int, seq_len: int) -> torch.Tensor:
-        """Positions a decode token attends to in this group (its own included)."""
+    def _decode_tables(
+        self,
+        block_table: torch.Tensor,
+        rows: list[int],
+        seq_lens: list[int],
+        first_blocks: list[int],
+    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """(table, page size, context lengths) of the decode rows."""
+        rows_table = block_table[torch.tensor(rows, dtype=torch.long).to(block_table.device)]
         if self.budget is None:
-            return torch.arange(seq_len)
-        prompt_len = self.prompt_len_by_first_block.get(first_block)
-        if prompt_len is None:
-            raise RuntimeError(
-                "kvsparse: a decode step for a request whose prompt this worker never saw"
-            )
-        if prompt_len <= self.budget:
-            return torch.arange(seq_len)
-        return torch.cat([torch.arange(self.budget), torch.arange(prompt_len, seq_len)])
-
-    def _slot_tables(
-        self, block_table: torch.Tensor, rows: list[int], positions: list[torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor([len(p) for p in positions], dtype=torch.int32)
-        table = torch.zeros(len(rows), int(lens.max()) if rows else 0, dtype=torch.long)
-        for i, (row, pos) in enumerate(zip(rows, positions, strict=True)):
-            blocks = block_table[row, pos // self.block_size].long()
-            table[i, : len(pos)] = blocks * self.block_size + pos % self.block_size
-        return table, lens
+            return rows_table, self.block_size, torch.tensor(seq_lens, dtype=torch.int32)
+        kept, skipped = [], []
+        for first_block in first_blocks:
+            prompt_len = self.prompt_len_by_first_block.get(first_block)
+            if prompt_len is None:
+                raise RuntimeError(
+                    "kvsparse: a decode step for a request whose prompt this worker never saw"
+                )
+            kept.append(min(prompt_len, self.budget))
+            skipped.append(prompt_len - kept[-1])
+        context_lens = torch.tensor(seq_lens, dtype=torch.int32) - torch.tensor(skipped)
+        max_len = int(context_lens.max()) if rows else 0
+        device = block_table.device
+        kept_on_device = torch.tensor(kept).to(device)
+        skipped_on_device = torch.tensor(skipped).to(device)
+        table = context_slot_table(
+            rows_table, self.block_size, kept_on_device, skipped_on_device, max_len
+        )
+        return table, 1, context_lens.to(torch.int32)
