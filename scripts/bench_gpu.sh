@@ -35,8 +35,8 @@
 #                  budget 512), offline under the same cap, each in its own process: tok/s, vLLM's
 #                  KV blocks, most sequences running and vLLM's free blocks then
 #                  (python -m sparse_core.bench.vllm_plugin; $PLUGIN_ARGS: its flags for the
-#                  plugin, by default eager, the only way the plugin has run on a GPU; set it
-#                  empty to try vLLM's CUDA graphs)
+#                  plugin's engine only, e.g. "--plugin-arg enforce_eager=true"; both engines
+#                  use vLLM's CUDA graphs by default)
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
 # serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
@@ -214,7 +214,7 @@ step_vllm-plugin() {
     # shellcheck disable=SC2086  # PLUGIN_ARGS is a list of flags
     python3 -m sparse_core.bench.vllm_plugin --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        ${PLUGIN_ARGS---plugin-arg enforce_eager=true} --json "$OUT/vllm_plugin.json" \
+        ${PLUGIN_ARGS:-} --json "$OUT/vllm_plugin.json" \
         2>"$OUT/vllm_plugin.log"
 }
 
