@@ -14,6 +14,9 @@
 #   fp8       dense and the calibrated profile (snapkv, the calibrated layers whole, $FP8_RATIOS
 #             effective) with bf16 weights and KV, FP8 weights (--quantization fp8), and FP8
 #             weights and KV (--kv-cache-dtype fp8); both settings; files fp8-{bf16,fp8,fp8-kv}.*
+#   fp8-budgets  the same three number formats for dense and snapkv with the calibrated per-layer
+#             budgets at $FP8_BUDGET_RATIOS (default 3,4) effective compression; files
+#             fp8-budgets-{bf16,fp8,fp8-kv}.*
 #   calibrate-time  (not in the default steps) times `kvsparse calibrate --target-compression
 #             2,3,4` on dummy:llama3-8b at 4000-token prompts, every layer probed alone at 2, 4,
 #             8 and 16x; writes calibrate_time.log and its profiles under DIR/calibrate-dummy
@@ -38,7 +41,7 @@
 #   KVSPARSE_EVAL_DATA      the directory holding lee_background.cor
 #   PYTHONPATH              the bundle's site/ is prepended (the gguf package)
 # Smaller runs (e.g. a check on CPU) through EVAL_LENGTHS, EVAL_SAMPLES, EVAL_TASKS,
-# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_BUDGET_RATIOS, EVAL_FP8_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
+# EVAL_POLICIES, EVAL_RATIOS, EVAL_PROFILE_RATIOS, EVAL_BUDGET_RATIOS, EVAL_FP8_RATIOS, EVAL_FP8_BUDGET_RATIOS, EVAL_DEVICE, EVAL_DTYPE, EVAL_KV_CACHE_GB,
 # EVAL_MAX_NUM_SEQS, EVAL_MAX_NUM_BATCHED_TOKENS; PYTHON picks the interpreter (python3).
 set -euo pipefail
 OUT=${1:-${OUT:-}}
@@ -61,6 +64,7 @@ RATIOS=${EVAL_RATIOS:-2,4,8,16}
 PROFILE_RATIOS=${EVAL_PROFILE_RATIOS:-2,2.5}
 BUDGET_RATIOS=${EVAL_BUDGET_RATIOS:-2,3,4}
 FP8_RATIOS=${EVAL_FP8_RATIOS:-2}
+FP8_BUDGET_RATIOS=${EVAL_FP8_BUDGET_RATIOS:-3,4}
 STEPS=${EVAL_STEPS:-grid profiles budgets fp8}
 DEVICE=${EVAL_DEVICE:-cuda}
 DTYPE=${EVAL_DTYPE:-bfloat16}
@@ -203,9 +207,16 @@ for step in $STEPS; do
             summaries+=("fp8-$format")
         done
         ;;
+    fp8-budgets)
+        for format in bf16 fp8 fp8-kv; do
+            run_eval "fp8-budgets-$format" --policies dense,snapkv --layer-budgets auto \
+                --ratios "$FP8_BUDGET_RATIOS" $(number_format_args "$format")
+            summaries+=("fp8-budgets-$format")
+        done
+        ;;
     calibrate-time) calibrate_time ;;
     calibrate-budgets) calibrate_budgets ;;
-    *) fail "unknown step $step (grid, profiles, budgets, fp8, calibrate-time, calibrate-budgets)" ;;
+    *) fail "unknown step $step (grid, profiles, budgets, fp8, fp8-budgets, calibrate-time, calibrate-budgets)" ;;
     esac
     case $step in grid | profiles | budgets) summaries+=("$step") ;; esac
 done
