@@ -1,4 +1,5 @@
-"""Write the suite's prompts (token ids, answers) to JSON for run_kvpress.py, with the GGUF path.
+"""Write the suite's prompts (token ids, answers) to JSON for run_kvpress.py, with the GGUF path
+and the token ids our engine stops on (the GGUF's end-of-sequence token).
 
 Runs in the engine's environment: python scripts/kvpress/dump_samples.py OUT.json
     [--tasks ...] [--lengths 500] [--samples 2] [--seed 0]
@@ -23,7 +24,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model = "smollm2-135m-instruct"
-    builder = TaskBuilder(load_model_source(model).tokenizer, seed=args.seed)
+    tokenizer = load_model_source(model).tokenizer
+    builder = TaskBuilder(tokenizer, seed=args.seed)
     samples = [
         asdict(s)
         for task in args.tasks.split(",")
@@ -31,7 +33,14 @@ def main() -> None:
         for s in builder.build(task, length, args.samples)
     ]
     with open(args.out, "w") as f:
-        json.dump({"gguf": builtin_model_path(model), "samples": samples}, f)
+        json.dump(
+            {
+                "gguf": builtin_model_path(model),
+                "eos_token_ids": list(tokenizer.eos_token_ids),
+                "samples": samples,
+            },
+            f,
+        )
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def kept_compression(layer_ratios: list[float | None], n: int) -> float:
 
 
 @torch.no_grad()
-def greedy(model, ids: torch.Tensor, max_tokens: int, press, eos: int | None) -> list[int]:
+def greedy(model, ids: torch.Tensor, max_tokens: int, press, eos: set[int]) -> list[int]:
     cache = DynamicCache()
     if press is None:
         logits = model(ids, past_key_values=cache).logits
@@ -68,7 +68,7 @@ def greedy(model, ids: torch.Tensor, max_tokens: int, press, eos: int | None) ->
     out: list[int] = []
     for step in range(max_tokens):
         token = int(logits[0, -1].argmax())
-        if token == eos:
+        if token in eos:
             break
         out.append(token)
         position = torch.tensor([[ids.shape[1] + step]])
@@ -98,6 +98,9 @@ def main() -> None:
     path = data["gguf"]
     kw = {"gguf_file": os.path.basename(path)}
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), **kw)
+    # Stop where our engine stops: transformers' GGUF tokenizer reports <|im_start|> as SmolLM2's
+    # end-of-sequence token, the GGUF metadata <|im_end|>.
+    eos = set(data.get("eos_token_ids") or [tok.eos_token_id])
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), dtype=torch.float32, attn_implementation="sdpa", **kw
     ).eval()
@@ -124,7 +127,7 @@ def main() -> None:
                 compression = kept_compression(layer_ratios, ids.shape[1])
             else:
                 press, compression = make_press(policy, ratio), ratio
-            new = greedy(model, ids, s["max_tokens"], press, tok.eos_token_id)
+            new = greedy(model, ids, s["max_tokens"], press, eos)
             text = tok.decode(new, skip_special_tokens=True)
             results.append(
                 {
