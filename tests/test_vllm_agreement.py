@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparse_core.bench.vllm_agreement import Agreement
+from sparse_core.bench.vllm_agreement import Agreement, main
 
 
 def test_agreement_counts_identical_outputs_and_the_agreeing_prefix() -> None:
@@ -21,3 +21,8 @@ def test_agreement_is_symmetric_and_needs_the_same_prompts() -> None:
     assert Agreement.of(a, b) == Agreement.of(b, a)
     with pytest.raises(ValueError, match="same prompts"):
         Agreement.of(a, b[:1])
+
+
+def test_the_sparse_run_must_be_sparse() -> None:
+    with pytest.raises(SystemExit):
+        main(["--policy", "dense"])

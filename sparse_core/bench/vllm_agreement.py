@@ -2,16 +2,18 @@
 engine, on a real model.
 
     python -m sparse_core.bench.vllm_agreement [--model smollm2-135m-instruct] [--length 2000]
-        [--num-prompts 16] [--max-tokens 64] [--dtype bfloat16] [--budget 256]
-        [--full-layers 3] [--enforce-eager] [--block-size N] [--json OUT.json]
+        [--num-prompts 16] [--max-tokens 64] [--dtype bfloat16] [--policy snapkv]
+        [--budget 256] [--window 32] [--full-layers 3] [--gpu-memory-utilization 0.2]
+        [--enforce-eager] [--block-size N] [--json OUT.json]
 
 Prompts are accuracy-suite samples (passkey and single-needle tasks) of `--length` tokens, fed
-as token ids. Four runs, greedy with `ignore_eos`: stock vLLM, the plugin dense, the plugin with
-snapkv, kvsparse's engine with the same snapkv and dense. Pairs: plugin dense vs stock vLLM (the
-plugin's kernels against vLLM's), plugin snapkv vs kvsparse snapkv (the same selection inside
-vLLM), and kvsparse dense vs stock vLLM (how far two engines' kernels alone drift apart in this
-dtype). Per pair: prompts whose outputs are identical, and the mean share of each output that
-agrees before the first different token. Needs vLLM importable (docs/vllm_plugin.md).
+as token ids. Five runs, greedy with `ignore_eos`: stock vLLM, the plugin dense, the plugin with
+the sparse policy, kvsparse's engine with the same policy and dense. Pairs: plugin dense vs stock
+vLLM (the plugin's kernels against vLLM's), plugin sparse vs kvsparse sparse (the same selection
+inside vLLM), kvsparse dense vs stock vLLM (how far two engines' kernels alone drift apart in
+this dtype), and plugin sparse vs plugin dense (what the sparsity changes). Per pair: prompts
+whose outputs are identical, and the mean share of each output that agrees before the first
+different token. Needs vLLM importable (docs/vllm_plugin.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from sparse_core.bench.workload import sparsity_for
@@ -110,7 +112,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.policy == "dense":
+        p.error("--policy: a sparse policy, compared against dense")
     sparse = sparsity_for(args.policy, args.budget, args.window, args.full_layers)
     dense = SparsityConfig(policy="dense")
     prompts = prompts_of(args.model, args.length, args.num_prompts)
@@ -135,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|")
     for a, b in pairs:
         agree = Agreement.of(runs[a], runs[b])
-        rows.append({"pair": f"{a} vs {b}", **agree.__dict__})
+        rows.append({"pair": f"{a} vs {b}", **asdict(agree)})
         print(f"| {a} vs {b} | {agree.identical} / {agree.prompts} | {agree.prefix_share:.1%} |")
     if args.json:
         with open(args.json, "w") as f:

@@ -37,7 +37,7 @@ def register_backend(class_path: str) -> None:
 class TokenMajorKVCache:
     """Backend methods that make a layer's cache token-major: [blocks, block_size, kv_heads,
     K | V] in memory, viewed as [blocks, kv_heads, block_size, 2 * head_size] (the view
-    `attention.split_kv_cache` takes apart)."""
+    `decode_tables.split_kv_cache` takes apart)."""
 
     if SEAMS_OF_0_32:
 

@@ -24,7 +24,7 @@ def split_kv_cache(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor
 def pages_of(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """The cache [blocks, block_size, kv_heads, D] read as pages of `page_size` tokens (a view:
     1 for slot tables, block_size for block tables)."""
-    return cache.reshape(-1, page_size, *cache.shape[2:])
+    return cache.view(-1, page_size, *cache.shape[2:])
 
 
 def context_slot_table(

@@ -6,7 +6,8 @@ while the plugin is active) or one decode token. Decode reads its context throug
 group the cache slot of every token it attends to (pages of one token): for a compacted request
 the kept tokens at positions [0, budget) followed by the generated tokens at [n, seq_len); the
 gap in between is never read, so its blocks can be freed. The tables are built on the device,
-from the block table vLLM already put there.
+from the block table vLLM already put there; the row lengths and the sparse groups' first blocks
+are read back to the host once per group and step.
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             prefill_cu_seqlens=cu_seqlens.to(device),
             prefill_max_len=int(lengths.max()) if len(lengths) else 0,
             compress_bounds=compress_bounds,
-            kept_slots=torch.cat(kept_slots).long()
+            kept_slots=torch.cat(kept_slots)
             if kept_slots
             else torch.empty(0, dtype=torch.long, device=device),
             decode_index=torch.tensor(decode_tokens, dtype=torch.long).to(device),
@@ -142,24 +143,28 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         first_blocks: list[int],
     ) -> tuple[torch.Tensor, int, torch.Tensor]:
         """(table, page size, context lengths) of the decode rows."""
-        rows_table = block_table[torch.tensor(rows, dtype=torch.long).to(block_table.device)]
-        if self.budget is None:
+        device = block_table.device
+        rows_table = block_table[torch.tensor(rows, dtype=torch.long).to(device)]
+        if self.budget is None or not rows:
             return rows_table, self.block_size, torch.tensor(seq_lens, dtype=torch.int32)
-        kept, skipped = [], []
-        for first_block in first_blocks:
+        kept: list[int] = []
+        skipped: list[int] = []
+        for first_block, seq_len in zip(first_blocks, seq_lens, strict=True):
             prompt_len = self.prompt_len_by_first_block.get(first_block)
-            if prompt_len is None:
+            if prompt_len is None or prompt_len >= seq_len:
+                # No prompt recorded for this first block, or one that cannot be this request's
+                # (a decode row is longer than its prompt): reading its gap would be wrong.
                 raise RuntimeError(
                     "kvsparse: a decode step for a request whose prompt this worker never saw"
                 )
             kept.append(min(prompt_len, self.budget))
             skipped.append(prompt_len - kept[-1])
         context_lens = torch.tensor(seq_lens, dtype=torch.int32) - torch.tensor(skipped)
-        max_len = int(context_lens.max()) if rows else 0
-        device = block_table.device
-        kept_on_device = torch.tensor(kept).to(device)
-        skipped_on_device = torch.tensor(skipped).to(device)
         table = context_slot_table(
-            rows_table, self.block_size, kept_on_device, skipped_on_device, max_len
+            rows_table,
+            self.block_size,
+            torch.tensor(kept, dtype=torch.long).to(device),
+            torch.tensor(skipped, dtype=torch.long).to(device),
+            int(context_lens.max()),
         )
         return table, 1, context_lens.to(torch.int32)
