@@ -17,6 +17,9 @@
 #                  effective compression, 24 GB cap: the accuracy sweep's operating points
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
+#   serve-vllm-plugin  the same sweep against `kvsparse serve --engine vllm` (stock vLLM with the
+#                  plugin, snapkv, gpu_memory_utilization 0.17: 24 GB of an H200); needs vLLM
+#                  importable
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
 #                  run $CHART_CONFIG, rendered beforehand by `serve_chart.py render`) + the same
 #                  sweep; per-replica load from Ray's metrics in $OUT/serve_chart.replicas.json
@@ -145,6 +148,10 @@ serve_sweep() {
 
 step_serve-snapkv() { serve_sweep snapkv serve_snapkv --concurrency "$CONCURRENCY"; }
 step_serve-dense() { serve_sweep dense serve_dense --concurrency "$CONCURRENCY"; }
+step_serve-vllm-plugin() {
+    SERVE_ARGS="--engine vllm --gpu-memory-utilization 0.17 --max-model-len 4608 --max-num-seqs 64" \
+        serve_sweep snapkv serve_vllm_plugin --concurrency "$CONCURRENCY"
+}
 step_serve-chart() {
     CHART_CONFIG=${CHART_CONFIG:?render it first: scripts/serve_chart.py render DIR --set ...} \
         serve_sweep chart "${CHART_NAME:-serve_chart}" --concurrency "$CONCURRENCY"

@@ -4,6 +4,10 @@ It offers what `sparse_core.engine.async_engine.AsyncLLM` offers the worker (`to
 `generate`, `stats`, `is_running`, `shutdown`), so a replica runs either engine. vLLM's own
 `AsyncLLM` does the work; its scheduler statistics reach `stats()` through a stat logger, vLLM's
 seam for them. Requires vLLM in the environment (`pip install 'kvsparse[vllm]'`).
+
+A `dummy:<preset>` model (random weights, the benchmarks' shape) runs as in the native engine:
+vLLM loads random weights and no tokenizer (`load_format="dummy"`, `skip_tokenizer_init`), and
+text is the preset's byte tokenizer's, decoded here.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import EngineStats
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.models.tokenizer import Tokenizer
+from sparse_core.models.loader import load_model_source
+from sparse_core.models.tokenizer import ByteTokenizer, Tokenizer
 from sparse_core.policy import plan_layers
 
 
@@ -30,11 +35,11 @@ class VllmAsyncLLM:
             vllm_model_path,
         )
 
-        if config.model.startswith("dummy:"):
+        if config.gpu_memory_limit_gb is not None:
             raise ValueError(
-                f"engine 'vllm' serves models with weights and a tokenizer, not {config.model}; "
-                f"random-weight models run through vLLM in its benchmark "
-                f"(python -m sparse_core.bench.vllm_plugin)"
+                "gpu_memory_limit_gb is not supported with engine 'vllm': vLLM's budget is "
+                "gpu_memory_utilization, a fraction of the GPU's memory (e.g. 0.17 of a "
+                "140 GiB GPU for 24 GiB)"
             )
         ensure_entry_point()
         from vllm import AsyncEngineArgs
@@ -46,13 +51,18 @@ class VllmAsyncLLM:
         hf = json.loads((Path(path) / "config.json").read_text())
         self.num_layers = hf["num_hidden_layers"]
         self.plan = plan_layers(sparsity, self.num_layers, name, config.expected_input_len)
-        eos = hf.get("eos_token_id")
-        self.tokenizer = Tokenizer.from_hf_dir(
-            Path(path),
-            hf["vocab_size"],
-            hf.get("bos_token_id"),
-            [eos] if isinstance(eos, int) else list(eos or []),
-        )
+        self.dummy = config.model.startswith("dummy:")
+        self.tokenizer: Tokenizer | ByteTokenizer
+        if self.dummy:
+            self.tokenizer = load_model_source(config.model).tokenizer
+        else:
+            eos = hf.get("eos_token_id")
+            self.tokenizer = Tokenizer.from_hf_dir(
+                Path(path),
+                hf["vocab_size"],
+                hf.get("bos_token_id"),
+                [eos] if isinstance(eos, int) else list(eos or []),
+            )
         self._stats = EngineStats(0, 0, 0, {})
         args: dict[str, Any] = {
             "model": path,
@@ -68,6 +78,8 @@ class VllmAsyncLLM:
             args["dtype"] = config.dtype
         if config.kv_cache_memory_gb is not None:
             args["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
+        if self.dummy:
+            args |= {"load_format": "dummy", "skip_tokenizer_init": True}
         self._vllm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**args), stat_loggers=[self._stat_logger]
         )
@@ -94,6 +106,8 @@ class VllmAsyncLLM:
         stream starts), where our AsyncLLM queues it at once."""
         if getattr(params, "compress_prefix_len", None) is not None:
             raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
+        if self.dummy and params.stop:
+            raise ValueError("stop strings need vLLM's tokenizer, which a dummy model has not")
         return self._stream(list(prompt_ids), _vllm_params(params), request_id)
 
     async def _stream(
@@ -111,12 +125,13 @@ class VllmAsyncLLM:
             ):
                 completion = out.outputs[0]
                 finished = out.finished
+                token_ids = list(completion.token_ids)
                 yield RequestOutput(
                     request_id=request_id,
                     prompt=None,
                     prompt_token_ids=prompt_ids,
-                    token_ids=list(completion.token_ids),
-                    text=completion.text,
+                    token_ids=token_ids,
+                    text=self.tokenizer.decode(token_ids) if self.dummy else completion.text,
                     finished=finished,
                     finish_reason=completion.finish_reason if finished else None,
                     kv_tokens_per_group=kept,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import httpx
@@ -64,3 +65,27 @@ def test_completions_through_vllm_match_the_native_engine(model_source):
     # vLLM's block count, through its stat logger, on the server's own gauge.
     free = re.search(r'kvsparse_kv_blocks_free\{[^}]*group="vllm"[^}]*\} ([0-9.e+]+)', metrics)
     assert free is not None and float(free[1]) > 0, metrics
+
+
+def test_a_random_weight_model_serves_through_vllm():
+    """dummy:<preset> (the benchmarks' models): vLLM with random weights and no tokenizer, text
+    from the preset's byte tokenizer; a stop string, which needs vLLM's tokenizer, is refused
+    with the OpenAI error format."""
+    engine = dataclasses.replace(ENGINE, model="dummy:tiny")
+    settings = ServerSettings(
+        served_model_name="dummy:tiny", max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
+    )
+    app = build_standalone_app(engine, [SPARSE], settings, engine="vllm")
+    prompt = list(range(3, 303))  # 300 token ids: longer than the budget of 96
+    with run_server(app, None) as server:
+        body = {"model": "dummy:tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+        reply = httpx.post(f"{server.v1}/completions", json=body, timeout=300)
+        assert reply.status_code == 200, reply.text
+        result = reply.json()
+        usage = result["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (300, MAX_TOKENS), usage
+        assert isinstance(result["choices"][0]["text"], str)
+        refused = httpx.post(f"{server.v1}/completions", json={**body, "stop": ["x"]}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        assert "stop strings" in refused.json()["error"]["message"]

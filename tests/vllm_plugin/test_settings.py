@@ -61,11 +61,12 @@ def test_other_vllm_versions_are_refused_clearly(version):
         check_vllm_version(version)
 
 
-def test_serving_a_random_weight_model_through_vllm_is_refused_at_start():
-    """`kvsparse serve --engine vllm` needs weights and a tokenizer; a dummy model is refused
-    before vLLM starts, naming where such models do run."""
+def test_a_memory_limit_in_gib_is_refused_before_vllm_starts():
+    """vLLM's budget is a fraction of the GPU; the native engine's GiB cap is not silently
+    dropped."""
     from service.vllm_engine import VllmAsyncLLM
     from sparse_core.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"sparse_core\.bench\.vllm_plugin"):
-        VllmAsyncLLM(EngineConfig(model="dummy:llama3-8b"), SparsityConfig(policy="snapkv"))
+    config = EngineConfig(model="dummy:tiny", gpu_memory_limit_gb=24)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        VllmAsyncLLM(config, SparsityConfig(policy="snapkv"))
