@@ -153,6 +153,18 @@ number_format_args() {
     esac
 }
 
+# run_number_formats NAME EVAL_ARGS...: `kvsparse eval` in bf16, with FP8 weights and with FP8
+# weights and KV, as NAME-{bf16,fp8,fp8-kv}.
+run_number_formats() {
+    local name=$1 format
+    shift
+    for format in bf16 fp8 fp8-kv; do
+        # shellcheck disable=SC2046  # the format's flags are words
+        run_eval "$name-$format" "$@" $(number_format_args "$format")
+        summaries+=("$name-$format")
+    done
+}
+
 # `kvsparse calibrate ARGS` as step STEP: its tables in STEP.md, its log in STEP.log (dashes as
 # underscores), its wall time logged.
 run_calibrate() {
@@ -201,18 +213,12 @@ for step in $STEPS; do
     profiles) run_eval profiles --profile-comparison --ratios "$PROFILE_RATIOS" ;;
     budgets) run_eval budgets --budget-comparison --ratios "$BUDGET_RATIOS" ;;
     fp8)
-        for format in bf16 fp8 fp8-kv; do
-            run_eval "fp8-$format" --policies dense,snapkv --full-layers auto \
-                --ratios "$FP8_RATIOS" --match-effective $(number_format_args "$format")
-            summaries+=("fp8-$format")
-        done
+        run_number_formats fp8 --policies dense,snapkv --full-layers auto --ratios "$FP8_RATIOS" \
+            --match-effective
         ;;
     fp8-budgets)
-        for format in bf16 fp8 fp8-kv; do
-            run_eval "fp8-budgets-$format" --policies dense,snapkv --layer-budgets auto \
-                --ratios "$FP8_BUDGET_RATIOS" $(number_format_args "$format")
-            summaries+=("fp8-budgets-$format")
-        done
+        run_number_formats fp8-budgets --policies dense,snapkv --layer-budgets auto \
+            --ratios "$FP8_BUDGET_RATIOS"
         ;;
     calibrate-time) calibrate_time ;;
     calibrate-budgets) calibrate_budgets ;;

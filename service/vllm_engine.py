@@ -7,7 +7,7 @@ seam for them. Requires vLLM in the environment (`pip install 'kvsparse[vllm]'`)
 
 A `dummy:<preset>` model (random weights, the benchmarks' shape) runs as in the native engine:
 vLLM loads random weights and no tokenizer (`load_format="dummy"`, `skip_tokenizer_init`), and
-text is the preset's byte tokenizer's, decoded here.
+text is the preset's byte tokenizer's, detokenized here as the native engine does it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.llm_engine import EngineStats
 from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.sampling_params import SamplingParams
@@ -29,6 +30,7 @@ from sparse_core.policy import plan_layers
 class VllmAsyncLLM:
     def __init__(self, config: EngineConfig, sparsity: SparsityConfig) -> None:
         from sparse_core.vllm_plugin.engine import (
+            dummy_model_args,
             ensure_entry_point,
             plugin_config,
             profile_name,
@@ -78,8 +80,7 @@ class VllmAsyncLLM:
             args["dtype"] = config.dtype
         if config.kv_cache_memory_gb is not None:
             args["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
-        if self.dummy:
-            args |= {"load_format": "dummy", "skip_tokenizer_init": True}
+        args |= dummy_model_args(config.model)
         self._vllm = AsyncLLM.from_engine_args(
             AsyncEngineArgs(**args), stat_loggers=[self._stat_logger]
         )
@@ -119,6 +120,9 @@ class VllmAsyncLLM:
         kept = {g.name: g.kept_tokens(n) for g in self.plan.groups}
         ratio = self.num_layers * n / sum(len(g.layers) * kept[g.name] for g in self.plan.groups)
         finished = False
+        # A dummy model's text: vLLM has no tokenizer for it.
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.dummy else None
+        text = ""
         try:
             async for out in self._vllm.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
@@ -126,12 +130,15 @@ class VllmAsyncLLM:
                 completion = out.outputs[0]
                 finished = out.finished
                 token_ids = list(completion.token_ids)
+                if detokenizer is not None:
+                    for token_id in token_ids[len(detokenizer.token_ids) :]:
+                        text += detokenizer.append(token_id)
                 yield RequestOutput(
                     request_id=request_id,
                     prompt=None,
                     prompt_token_ids=prompt_ids,
                     token_ids=token_ids,
-                    text=self.tokenizer.decode(token_ids) if self.dummy else completion.text,
+                    text=text if detokenizer is not None else completion.text,
                     finished=finished,
                     finish_reason=completion.finish_reason if finished else None,
                     kv_tokens_per_group=kept,

@@ -24,6 +24,14 @@ def vllm_model_path(model: str) -> str:
     return model
 
 
+def dummy_model_args(model: str) -> dict[str, Any]:
+    """vLLM's engine arguments for a `dummy:<preset>` model: random weights and no tokenizer
+    (token ids in and out); none for other models."""
+    if model.startswith("dummy:"):
+        return {"load_format": "dummy", "skip_tokenizer_init": True}
+    return {}
+
+
 def ensure_entry_point() -> None:
     """vLLM finds the plugin through the installed package's entry point, in each process it
     starts. A checkout that is only on PYTHONPATH (not pip-installed, as on a benchmark machine)
@@ -82,12 +90,10 @@ def vllm_llm(
     ensure_entry_point()
     from vllm import LLM
 
-    if model.startswith("dummy:"):
-        engine_args = {"load_format": "dummy", "skip_tokenizer_init": True, **engine_args}
     llm = LLM(
         model=vllm_model_path(model),
         additional_config=plugin_config(sparsity, profile_name(model), expected_input_len),
-        **engine_args,
+        **{**dummy_model_args(model), **engine_args},
     )
     try:
         yield llm
