@@ -333,6 +333,26 @@ def test_split_count_heuristic() -> None:
     assert tk.decode_num_splits(1, 1, tk._MIN_TOKENS_PER_SPLIT - 1, device) == 1
 
 
+def test_fp8_split_count_fills_the_waves_of_programs(monkeypatch) -> None:
+    """An FP8 cache's rule on the H200's 132 SMs (4 programs an SM at once): each split count
+    takes the fewest waves per unit of work among the counts allowed; from 3 x SMs programs,
+    or a context shorter than two splits' keys, unsplit."""
+    monkeypatch.setattr(tk, "_num_sms", lambda device: 132)
+    cpu, fp8, wave = torch.device("cpu"), FP8_DTYPE, 4 * 132
+
+    def cost(programs: int, splits: int) -> float:
+        return -(-programs * splits // wave) / splits
+
+    for batch in (1, 8, 16, 20, 32, 40, 46, 49):
+        splits = tk.decode_num_splits(batch, 8, 4608, cpu, fp8)
+        most = 4 if batch * 8 >= 132 else 4608 // tk._FP8_MIN_TOKENS_PER_SPLIT
+        assert 1 <= splits <= most
+        assert all(cost(batch * 8, splits) <= cost(batch * 8, s) for s in range(1, most + 1))
+    assert tk.decode_num_splits(20, 8, 4608, cpu, fp8) == 3  # 480 programs: one wave, not 640
+    assert tk.decode_num_splits(50, 8, 4608, cpu, fp8) == 1
+    assert tk.decode_num_splits(20, 8, 2 * tk._FP8_MIN_TOKENS_PER_SPLIT - 1, cpu, fp8) == 1
+
+
 # --- RoPE and the KV store, alone and fused with decode attention ----------------------------
 
 

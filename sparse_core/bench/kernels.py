@@ -9,9 +9,9 @@
      contexts, with a bf16 and an FP8 (e4m3) cache, as achieved GB/s (K+V bytes read / time)
      and as a fraction of the measured device-copy bandwidth (the roofline), with and without
      split-K;
-   - FP8 linear layers (Llama-3-8B's four projections) at decode batch sizes: `_scaled_mm` with
-     row-wise scales against the unscaled matmul plus the scaling kernel, as weight bytes read
-     per second and as a fraction of the roofline.
+   - FP8 linear layers (Llama-3-8B's four projections) at decode batch sizes, by each route of
+     `fp8_linear_cuda` (`_scaled_mm` with row-wise scales, unscaled then scaled, the few-rows
+     Triton matmul), as weight bytes read per second and as a fraction of the roofline.
 Kernel times are GPU time per call: the calls are captured in a CUDA graph and replayed (as the
 engine's decode step is), each on its own copy of the inputs until the copies exceed the L2
 cache, so launch overhead and L2 hits do not flatter small kernels. Needs only torch and triton.
@@ -21,6 +21,7 @@ cache, so launch overhead and L2 hits do not flatter small kernels. Needs only t
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -161,7 +162,7 @@ def run_checks() -> list[dict[str, Any]]:
         lens = (context - torch.randint(0, 64, (batch,))).tolist()
         k_cache, v_cache, table, lens_t = _paged(lens, cache_dtype)
         q = _randn(batch, NUM_Q, HEAD_DIM)
-        splits = tk.decode_num_splits(batch, NUM_KV, max(lens), q.device)
+        splits = tk.decode_num_splits(batch, NUM_KV, max(lens), q.device, cache_dtype)
         got = tk.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
         want = ref.paged_decode_attention(q, k_cache, v_cache, table, lens_t, SCALE)
         record(
@@ -332,7 +333,7 @@ def bench_decode(
     # One cache per "layer", as a decode step walks the layers; together they exceed L2.
     layers = [_paged([context] * batch, cache_dtype) for _ in range(_num_copies(kv_bytes))]
     q = _randn(batch, NUM_Q, HEAD_DIM)
-    splits = tk.decode_num_splits(batch, NUM_KV, context, q.device)
+    splits = tk.decode_num_splits(batch, NUM_KV, context, q.device, cache_dtype)
 
     def run(num_splits: int) -> float:
         # max_context_len and num_splits given: no host sync, so the calls are graph-capturable.
@@ -366,31 +367,37 @@ LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672
                  "down": (14336, 4096)}  # fmt: skip
 
 
-def _linear_calls(
-    x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor, cap: int
-) -> list[Callable[[], Any]]:
-    return [lambda w=w, s=s: triton_fp8.fp8_linear_cuda(x, w, s, out, cap) for w, s in weights]
+# The routes of `fp8_linear_cuda`, as its (few_rows_max, unscaled_max) for `rows` rows.
+FP8_LINEAR_ROUTES = {
+    "row_wise": lambda rows: (0, 0),
+    "unscaled": lambda rows: (0, rows),
+    "few_rows": lambda rows: (rows, rows),
+}
 
 
 def bench_fp8_linear(rows: int, copy_gbs: float) -> list[dict[str, Any]]:
-    """Both routes of `fp8_linear_cuda` at `rows` tokens, checked against each other first."""
+    """Every route of `fp8_linear_cuda` at `rows` tokens (activations quantized included), each
+    checked against the row-wise one first."""
     results = []
     for name, (k, n) in LINEAR_SHAPES.items():
         weights = [quantize_rows(_randn(n, k)) for _ in range(_num_copies(n * k))]
         x = _randn(rows, k)
         out = torch.empty(rows, n, device=DEVICE, dtype=DTYPE)
-
-        row_wise, unscaled = (_linear_calls(x, weights, out, cap) for cap in (0, rows))
-        row_wise[0]()
-        want = out.clone()
-        unscaled[0]()
-        err = (out.float() - want.float()).norm().item() / want.float().norm().item()
-        ms = {"row_wise": _time_ms(row_wise), "unscaled_then_scaled": _time_ms(unscaled)}
-        results.append({
-            "layer": name, "rows": rows, "in": k, "out": n, "rel_diff": err,
-            **{f"{route}_us": t * 1e3 for route, t in ms.items()},
-            **{f"{route}_roofline_frac": n * k / t / 1e6 / copy_gbs for route, t in ms.items()},
-        })  # fmt: skip
+        row = {"layer": name, "rows": rows, "in": k, "out": n}
+        want = None
+        for route, caps in FP8_LINEAR_ROUTES.items():
+            calls = [
+                functools.partial(triton_fp8.fp8_linear_cuda, x, w, s, out, *caps(rows))
+                for w, s in weights
+            ]
+            calls[0]()
+            if want is None:
+                want = out.clone().float()
+            row[f"{route}_rel_diff"] = (out.float() - want).norm().item() / want.norm().item()
+            ms = _time_ms(calls)
+            row[f"{route}_us"] = ms * 1e3
+            row[f"{route}_roofline_frac"] = n * k / ms / 1e6 / copy_gbs
+        results.append(row)
     return results
 
 
@@ -415,7 +422,9 @@ def main() -> None:
         for c in (4500, 512)
         for b in (1, 8, 32, 64, 128)
     ]
-    fp8_linear = [r for rows in (1, 16, 49, 64, 128, 256) for r in bench_fp8_linear(rows, copy_gbs)]
+    fp8_linear = [
+        r for rows in (1, 16, 49, 64, 128, 192, 256) for r in bench_fp8_linear(rows, copy_gbs)
+    ]
 
     print(f"\ndevice copy bandwidth: {copy_gbs:.0f} GB/s")
     print(
@@ -439,16 +448,14 @@ def main() -> None:
             f"{r['ms'] * 1e3:>8.1f} {r['ms_no_split'] * 1e3:>10.1f} {r['gb_per_s']:>6.0f} "
             f"{r['roofline_frac']:>8.0%}"
         )
-    print("\nFP8 linear (weight bytes / time): _scaled_mm row-wise vs unscaled + scaling kernel")
-    print(
-        f"{'layer':>8} {'rows':>5} {'row-wise µs':>11} {'unscaled µs':>11} {'roofline':>13} {'diff':>8}"
-    )
+    print("\nFP8 linear, µs per call (fraction of the roofline): by route of fp8_linear_cuda")
+    print(f"{'layer':>8} {'rows':>5} " + " ".join(f"{route:>15}" for route in FP8_LINEAR_ROUTES))
     for r in fp8_linear:
-        print(
-            f"{r['layer']:>8} {r['rows']:>5} {r['row_wise_us']:>11.1f} "
-            f"{r['unscaled_then_scaled_us']:>11.1f} {r['row_wise_roofline_frac']:>6.0%} -> "
-            f"{r['unscaled_then_scaled_roofline_frac']:<5.0%} {r['rel_diff']:>8.1e}"
+        cells = (
+            f"{r[f'{route}_us']:>7.1f} ({r[f'{route}_roofline_frac']:>4.0%})"
+            for route in FP8_LINEAR_ROUTES
         )
+        print(f"{r['layer']:>8} {r['rows']:>5} " + " ".join(f"{c:>15}" for c in cells))
     failed = [c["check"] for c in checks if not c["pass"]]
     if checks:
         fails = f"; FAIL: {', '.join(failed)}" if failed else ""

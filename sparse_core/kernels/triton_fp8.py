@@ -6,11 +6,18 @@ One program per row: a pass for the row's largest magnitude, then a pass that sc
 stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
 thousand small launches with one per layer.
 
-The matmul takes one of two routes to the same result. Prompt-sized inputs go through
-`torch._scaled_mm` with row-wise scales (one per token, one per output channel). At decode batch
-sizes cuBLASLt's FP8 matmul with one scale per tensor is much faster than its row-wise form
-(docs/benchmarks.md, "FP8 weights and FP8 KV cache"), so there the product runs unscaled into
-float32 and a second small kernel applies both scales, rounding once to the output dtype.
+The matmul takes one of three routes to the same result, by the number of rows (tokens), each
+where it was fastest on the H200 (docs/benchmarks.md, "Kernels and the decode roofline"):
+- prompt-sized inputs: `torch._scaled_mm` with row-wise scales (one per token, one per output
+  channel);
+- decode batches: cuBLASLt's FP8 matmul with one scale per tensor is much faster than its
+  row-wise form there, so the product runs unscaled into float32 and a second small kernel
+  applies both scales, rounding once to the output dtype;
+- the fewest rows: a Triton kernel streams the weights, each program owning a slice of output
+  channels and all the rows, so that every weight byte is read once. The weight tile is the
+  tensor cores' wide side and the rows the narrow one (the operands swapped, as CUTLASS does
+  for small batches), and both scales are applied to the float32 accumulator before its one
+  rounding.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ import triton
 import triton.language as tl
 
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from sparse_core.kernels.launcher import launch
 
-# Inputs of at most this many rows (decode steps) take the unscaled matmul and the scaling kernel.
-UNSCALED_MATMUL_MAX_ROWS = 256
+# Inputs of at most FEW_ROWS_MAX rows take the weight-streaming Triton matmul, up to
+# UNSCALED_MAX_ROWS cuBLASLt's unscaled one, more its row-wise scaled one (measured on the H200:
+# docs/benchmarks.md, "Kernels and the decode roofline").
+FEW_ROWS_MAX = 64
+UNSCALED_MAX_ROWS = 256
 
 if triton.knobs.runtime.interpret:
     from .triton_interpreter import apply_interpreter_fixes
@@ -65,6 +76,89 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block, num_warps=4,
         )  # fmt: skip
     return out, scale
+
+
+@triton.jit
+def _few_rows_matmul_kernel(
+    w_ptr, x_ptr, w_scale_ptr, x_scale_ptr, out_ptr, rows, out_features, in_features,
+    stride_w, stride_x, stride_out,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    # Program (i, j): output channels [i * BLOCK_N, +BLOCK_N) of rows [j * BLOCK_M, +BLOCK_M).
+    # acc[channel, row] = sum_k w[channel, k] * x[row, k]: the weight tile is the dot's first
+    # operand, so a handful of rows still fills the tensor cores' wide side.
+    channels = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ids = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ks = tl.arange(0, BLOCK_K)
+    channel_ok = channels < out_features
+    row_ok = row_ids < rows
+    w_ptrs = w_ptr + channels[:, None].to(tl.int64) * stride_w + ks[None, :]
+    x_ptrs = x_ptr + row_ids[:, None].to(tl.int64) * stride_x + ks[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, in_features, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=channel_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            k_ok = k + ks < in_features
+            w = tl.load(w_ptrs, mask=channel_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    w_scale = tl.load(w_scale_ptr + channels, mask=channel_ok, other=0.0)
+    x_scale = tl.load(x_scale_ptr + row_ids, mask=row_ok, other=0.0)
+    y = acc * w_scale[:, None] * x_scale[None, :]
+    out_ptrs = out_ptr + row_ids[None, :].to(tl.int64) * stride_out + channels[:, None]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=channel_ok[:, None] & row_ok[None, :])
+
+
+def _few_rows_tiles(out_features: int, rows: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N output channels, BLOCK_M rows, BLOCK_K, num_warps, num_stages) of the few-rows
+    matmul.
+
+    A program holds up to 128 rows (more take more programs, each reading the weights again).
+    Wide layers (an MLP's gate and up) take 128-channel tiles; the others 64, which gives
+    enough programs to cover the SMs (docs/benchmarks.md, "Kernels and the decode roofline").
+    tl.dot needs at least 16 rows. The interpreter takes small tiles, so the tests cover
+    several of each.
+    """
+    if not on_gpu:
+        return 16, 16, 32, 4, 1
+    block_m = max(16, min(128, triton.next_power_of_2(rows)))
+    if out_features >= 16384:
+        return 128, block_m, 128, 4, 4
+    return 64, block_m, 256, 4, 4
+
+
+def few_rows_matmul(
+    x_fp8: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """out = (x_fp8 * x_scale) @ (weight * weight_scale)^T in float32, rounded once to out's
+    dtype: x_fp8 (rows, in) e4m3 with x_scale (rows, 1), weight (out features, in) e4m3 with
+    weight_scale (out features, 1), both float32 scales; out (rows, out features). Returns out."""
+    rows, in_features = x_fp8.shape
+    out_features = weight.shape[0]
+    assert x_fp8.stride(1) == weight.stride(1) == out.stride(1) == 1, "rows must be contiguous"
+    if rows == 0:
+        return out
+    block_n, block_m, block_k, num_warps, num_stages = _few_rows_tiles(
+        out_features, rows, x_fp8.is_cuda
+    )
+    grid = (triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))
+    options = {"num_warps": num_warps, "num_stages": num_stages} if x_fp8.is_cuda else {}
+    launch(
+        _few_rows_matmul_kernel, grid,
+        weight, x_fp8, weight_scale, x_scale, out, rows, out_features, in_features,
+        weight.stride(0), x_fp8.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=in_features % block_k == 0,
+        **options,
+    )  # fmt: skip
+    return out
 
 
 @triton.jit
@@ -111,22 +205,17 @@ def fp8_linear_cuda(
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out: torch.Tensor | None = None,
-    max_unscaled: int = UNSCALED_MATMUL_MAX_ROWS,
+    few_rows_max: int = FEW_ROWS_MAX,
+    unscaled_max: int = UNSCALED_MAX_ROWS,
 ) -> torch.Tensor:
     """sparse_core/kernels/fp8.py's `fp8_linear_reference` on FP8 tensor cores, the activations
     quantized by one Triton kernel; `out` (rows, out features) receives it if given. Inputs of
-    at most `max_unscaled` rows take the unscaled matmul and the scaling kernel."""
+    at most `few_rows_max` rows take the weight-streaming Triton matmul, up to `unscaled_max`
+    the unscaled matmul and the scaling kernel, more the row-wise scaled matmul."""
     rows = x.reshape(-1, x.shape[-1])
+    num_rows, out_features = rows.shape[0], weight.shape[0]
     x_fp8, x_scale = quantize_rows(rows)
-    if rows.shape[0] <= max_unscaled:
-        unit = _unit_scale(x.device)
-        acc = torch._scaled_mm(
-            x_fp8, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32
-        )
-        if out is not None:
-            return scale_product(acc, x_scale, weight_scale, out)
-        y = scale_product(acc, x_scale, weight_scale, torch.empty_like(acc, dtype=x.dtype))
-    else:
+    if num_rows > unscaled_max:
         y = torch._scaled_mm(
             x_fp8,
             weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
@@ -134,6 +223,16 @@ def fp8_linear_cuda(
             scale_b=weight_scale.view(1, -1),
             out_dtype=x.dtype,
         )
-        if out is not None:
-            return out.copy_(y)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+        return out.copy_(y) if out is not None else y.reshape(*x.shape[:-1], out_features)
+    target = out
+    if target is None:
+        target = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+    if num_rows <= few_rows_max:
+        few_rows_matmul(x_fp8, x_scale, weight, weight_scale, target)
+    else:
+        unit = _unit_scale(x.device)
+        acc = torch._scaled_mm(
+            x_fp8, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32
+        )
+        scale_product(acc, x_scale, weight_scale, target)
+    return target if out is not None else target.reshape(*x.shape[:-1], out_features)

@@ -760,8 +760,20 @@ def _combine_splits_kernel(
 # last wave) won on the kernel alone but lost inside the 32-layer decode graphs, whose sparse
 # layers' short contexts gain nothing from splits and pay the merge kernel (docs/benchmarks.md,
 # "Kernels and the decode roofline").
+#
+# An FP8 cache's programs (64-key tiles, 2 warps) run four at a time on an SM of the H200, so a
+# launch takes ceil(programs / (4 x SMs)) waves, and a wave left part full idles what it leaves.
+# Up to 3 x SMs programs (batch 49 at 8 KV heads), cutting every context into S splits makes S
+# times as many programs of 1/S the work: the launch takes ceil(programs x S / wave) / S of the
+# unsplit time, and the S that minimises it won at every batch measured, 1.1-1.9x on long
+# contexts (docs/benchmarks.md). A split holds at least 512 keys of the longest context (more
+# splits fill waves a little better, but each pays its merge), and above 1 x SMs programs there
+# are at most 4: more only tied on long contexts and lost on short ones. From 3 x SMs, unsplit.
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
+_FP8_PROGRAMS_PER_SM = 4
+_FP8_MIN_TOKENS_PER_SPLIT = 512
+_FP8_MAX_SPLITS_ABOVE_SMS = 4
 
 
 def _num_sms(device: torch.device) -> int:
@@ -771,10 +783,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(
-    batch: int, num_kv_heads: int, max_context_len: int, device: torch.device
+    batch: int,
+    num_kv_heads: int,
+    max_context_len: int,
+    device: torch.device,
+    cache_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
-    """Key-axis splits for a decode step: 1 once batch x Hkv programs cover every SM."""
+    """Key-axis splits for a decode step over a cache of `cache_dtype`."""
     programs, sms = batch * num_kv_heads, _num_sms(device)
+    if cache_dtype == FP8_DTYPE:
+        if programs >= 3 * sms:
+            return 1
+        wave = _FP8_PROGRAMS_PER_SM * sms
+        most = max(1, max_context_len // _FP8_MIN_TOKENS_PER_SPLIT)
+        if programs >= sms:
+            most = min(most, _FP8_MAX_SPLITS_ABOVE_SMS)
+        # The fewest splits among those that take the least time.
+        return min(range(1, most + 1), key=lambda s: (triton.cdiv(programs * s, wave) / s, s))
     if programs >= sms:
         return 1
     wanted = triton.cdiv(2 * sms, programs)
@@ -901,7 +926,7 @@ def _paged_decode(
     if max_context_len is None:
         max_context_len = int(context_lens.max())
     if num_splits is None:
-        num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device)
+        num_splits = decode_num_splits(batch, num_kv, max_context_len, q.device, k_cache.dtype)
     block_n, num_warps, num_stages = _decode_tiles(q, k_cache.dtype)
     split = num_splits > 1
     if new is not None and split:
