@@ -8,7 +8,7 @@
    - paged decode attention at batch 1..128 over 4500-token dense and 512-token compressed
      contexts, with a bf16 and an FP8 (e4m3) cache, as achieved GB/s (K+V bytes read / time)
      and as a fraction of the measured device-copy bandwidth (the roofline), with and without
-     split-K;
+     split-K; with an FP8 cache also at every split count of a sweep (SPLIT_SWEEP);
    - FP8 linear layers (Llama-3-8B's four projections) at decode batch sizes, by each route of
      `fp8_linear_cuda` (`_scaled_mm` with row-wise scales, unscaled then scaled, the few-rows
      Triton matmul), as weight bytes read per second and as a fraction of the roofline.
@@ -362,6 +362,28 @@ def bench_decode(
     }
 
 
+# The split counts the sweep times, and the batches it times them at (FP8 cache, where the rule
+# counts waves of programs: sparse_core/kernels/triton_kernels.py, decode_num_splits).
+SPLIT_SWEEP = (1, 2, 3, 4, 6, 8)
+SPLIT_SWEEP_BATCHES = (8, 16, 20, 32, 40, 46, 56)
+
+
+def bench_decode_splits(batch: int, context: int, cache_dtype: torch.dtype) -> dict[str, Any]:
+    """Paged decode at every count of SPLIT_SWEEP, beside the count the engine picks."""
+    kv_bytes = 2 * batch * context * NUM_KV * HEAD_DIM * cache_dtype.itemsize
+    layers = [_paged([context] * batch, cache_dtype) for _ in range(_num_copies(kv_bytes))]
+    q = _randn(batch, NUM_Q, HEAD_DIM)
+    us = {}
+    for splits in SPLIT_SWEEP:
+        run = functools.partial(
+            tk.paged_decode_attention, max_context_len=context, num_splits=splits
+        )
+        us[splits] = 1e3 * _time_ms([functools.partial(run, q, *layer, SCALE) for layer in layers])
+    chosen = tk.decode_num_splits(batch, NUM_KV, context, q.device, cache_dtype)
+    return {"cache": _cache_name(cache_dtype), "batch": batch, "context": context,
+            "chosen": chosen, "us": us}  # fmt: skip
+
+
 # Llama-3-8B's FP8 projections (in features, out features): qkv, o, gate_up, down.
 LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
                  "down": (14336, 4096)}  # fmt: skip
@@ -422,6 +444,9 @@ def main() -> None:
         for c in (4500, 512)
         for b in (1, 8, 32, 64, 128)
     ]
+    splits = [
+        bench_decode_splits(b, c, FP8_DTYPE) for c in (4500, 1012) for b in SPLIT_SWEEP_BATCHES
+    ]
     fp8_linear = [
         r for rows in (1, 16, 49, 64, 128, 192, 256) for r in bench_fp8_linear(rows, copy_gbs)
     ]
@@ -448,6 +473,14 @@ def main() -> None:
             f"{r['ms'] * 1e3:>8.1f} {r['ms_no_split'] * 1e3:>10.1f} {r['gb_per_s']:>6.0f} "
             f"{r['roofline_frac']:>8.0%}"
         )
+    print("\npaged decode by split count, µs (the engine's count marked *)")
+    print(f"{'cache':>5} {'batch':>6} {'ctx':>6} " + " ".join(f"{n:>7}" for n in SPLIT_SWEEP))
+    for r in splits:
+        cells = (f"{t:.1f}{'*' if n == r['chosen'] else ''}" for n, t in r["us"].items())
+        print(
+            f"{r['cache']:>5} {r['batch']:>6} {r['context']:>6} "
+            + " ".join(f"{c:>7}" for c in cells)
+        )
     print("\nFP8 linear, µs per call (fraction of the roofline): by route of fp8_linear_cuda")
     print(f"{'layer':>8} {'rows':>5} " + " ".join(f"{route:>15}" for route in FP8_LINEAR_ROUTES))
     for r in fp8_linear:
@@ -471,6 +504,7 @@ def main() -> None:
             "prefill": prefill,
             "scoring": scoring,
             "decode": decode,
+            "decode_splits": splits,
             "fp8_linear": fp8_linear,
         }
         with open(args.json, "w") as f:
