@@ -7,18 +7,22 @@ engine, on a real model.
         [--enforce-eager] [--block-size N] [--json OUT.json]
 
 Prompts are accuracy-suite samples (passkey and single-needle tasks) of `--length` tokens, fed
-as token ids. Five runs, greedy with `ignore_eos`: stock vLLM, the plugin dense, the plugin with
-the sparse policy, kvsparse's engine with the same policy and dense. Pairs: plugin dense vs stock
-vLLM (the plugin's kernels against vLLM's), plugin sparse vs kvsparse sparse (the same selection
-inside vLLM), kvsparse dense vs stock vLLM (how far two engines' kernels alone drift apart in
-this dtype), and plugin sparse vs plugin dense (what the sparsity changes). Per pair: prompts
-whose outputs are identical, and the mean share of each output that agrees before the first
-different token. Needs vLLM importable (docs/vllm_plugin.md).
+as token ids. Six runs, greedy with `ignore_eos`: stock vLLM; the plugin dense (it then stays out
+of vLLM's way, so this checks that it does); the plugin with the sparse policy's layer groups and
+a budget no prompt reaches (its kernels on every layer, nothing compressed); the plugin with the
+sparse policy; kvsparse's engine with the same policy and dense. Pairs: plugin dense vs stock
+vLLM (identical by construction), plugin uncompressed vs stock vLLM (the plugin's kernels
+against vLLM's), plugin sparse vs kvsparse sparse (the same selection inside vLLM), kvsparse
+dense vs stock vLLM (how far two engines' kernels alone drift apart in this dtype), and plugin
+sparse vs plugin uncompressed (what the sparsity changes). Per pair: prompts whose outputs are
+identical, and the mean share of each output that agrees before the first different token.
+Needs vLLM importable (docs/vllm_plugin.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -117,20 +121,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy == "dense":
         p.error("--policy: a sparse policy, compared against dense")
     sparse = sparsity_for(args.policy, args.budget, args.window, args.full_layers)
+    uncompressed = dataclasses.replace(sparse, budget=args.length + args.max_tokens)
     dense = SparsityConfig(policy="dense")
     prompts = prompts_of(args.model, args.length, args.num_prompts)
     runs = {
         "stock vLLM": run_vllm(args, None, prompts),
         "plugin dense": run_vllm(args, dense, prompts),
+        "plugin uncompressed": run_vllm(args, uncompressed, prompts),
         f"plugin {args.policy}": run_vllm(args, sparse, prompts),
         f"kvsparse {args.policy}": run_native(args, sparse, prompts),
         "kvsparse dense": run_native(args, dense, prompts),
     }
     pairs = [
         ("plugin dense", "stock vLLM"),
+        ("plugin uncompressed", "stock vLLM"),
         (f"plugin {args.policy}", f"kvsparse {args.policy}"),
         ("kvsparse dense", "stock vLLM"),
-        (f"plugin {args.policy}", "plugin dense"),
+        (f"plugin {args.policy}", "plugin uncompressed"),
     ]
     rows: list[dict[str, Any]] = []
     print(f"{args.model}, {args.dtype}, {len(prompts)} prompts of {args.length} tokens, "

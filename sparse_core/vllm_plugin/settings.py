@@ -3,8 +3,9 @@
 Both hold the same dictionary: the fields of `SparsityConfig` plus `model_name` (the name of the
 calibrated profile that `full_layers="auto"` and `layer_budgets="auto"` load; default: the model
 directory's name) and `expected_input_len` (the typical prompt, which `layer_budgets="auto"`
-sizes its budgets for; default: EngineConfig's). With neither set, the plugin stays out of the
-way and vLLM runs exactly as without it.
+sizes its budgets for; default: EngineConfig's). With neither set, or with settings that
+compress no layer of the model (policy "dense", or every layer whole), the plugin stays out of
+the way and vLLM runs exactly as without it: its own attention backend and KV cache.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class PluginSettings:
         name = self.model_name or Path(model_path).name
         return plan_layers(self.sparsity, num_layers, name, self.expected_input_len)
 
+    def compresses(self, model_config: Any) -> bool:
+        """Whether any layer of vLLM's model (its `model_config`) keeps a budget."""
+        plan = self.layer_plan(model_config.hf_text_config.num_hidden_layers, model_config.model)
+        return any(group.budget is not None for group in plan.groups)
+
 
 def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
     """Settings from a dictionary (or its JSON text); None means the plugin is off."""
@@ -51,11 +57,17 @@ def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
 
 
 def settings_from_vllm_config(vllm_config: Any) -> PluginSettings | None:
-    """The settings of the engine being configured: additional_config first, then the env."""
+    """The settings of the engine being configured: additional_config first, then the env; None
+    (the plugin off) without them or when they compress no layer of its model."""
     additional = getattr(vllm_config, "additional_config", None) or {}
     if isinstance(additional, dict) and CONFIG_KEY in additional:
-        return parse_settings(additional[CONFIG_KEY])
-    return parse_settings(os.environ.get(ENV_VAR))
+        settings = parse_settings(additional[CONFIG_KEY])
+    else:
+        settings = parse_settings(os.environ.get(ENV_VAR))
+    model_config = getattr(vllm_config, "model_config", None)
+    if settings is not None and model_config is not None and not settings.compresses(model_config):
+        return None
+    return settings
 
 
 def current_settings() -> PluginSettings | None:

@@ -60,10 +60,13 @@ def test_stock_vllm_runs_its_own_attention(stock):
     assert {g[0] for g in stock.groups} == {"FullAttentionSpec"}
 
 
-def test_dense_through_the_plugin_matches_stock_vllm(prompts, stock):
+def test_dense_through_the_plugin_is_stock_vllm(prompts, stock):
+    """With no layer to compress the plugin stays out of the way: vLLM's own attention and
+    settings, so the outputs are stock vLLM's on any device (the plugin's kernels over
+    uncompressed layers are checked by the next test)."""
     dense = _run(SparsityConfig(policy="dense"), prompts)
-    assert dense.backends == {"KVSparseAttentionImpl"}
-    assert {g[0] for g in dense.groups} == {"FullAttentionSpec"}
+    assert dense.backends == stock.backends
+    assert dense.groups == stock.groups
     assert dense.token_ids == stock.token_ids
 
 

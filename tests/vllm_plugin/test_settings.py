@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from sparse_core.config import SparsityConfig
@@ -10,13 +12,28 @@ from sparse_core.vllm_plugin.version import check_vllm_version
 
 
 class FakeVllmConfig:
-    def __init__(self, additional_config: dict) -> None:
+    def __init__(self, additional_config: dict, num_layers: int | None = None) -> None:
         self.additional_config = additional_config
+        self.model_config = None
+        if num_layers is not None:  # the two fields of vLLM's ModelConfig the plan reads
+            text_config = SimpleNamespace(num_hidden_layers=num_layers)
+            self.model_config = SimpleNamespace(hf_text_config=text_config, model="/any/dir")
 
 
 def test_no_settings_leave_the_plugin_off(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert settings_from_vllm_config(FakeVllmConfig({})) is None
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [{"policy": "dense"}, {"policy": "snapkv", "budget": 256, "full_layers": [0, 1, 2, 3]}],
+)
+def test_settings_that_compress_no_layer_leave_the_plugin_off(raw):
+    """Dense, or every layer whole: vLLM keeps its own attention, so outputs are stock's."""
+    assert settings_from_vllm_config(FakeVllmConfig({"kvsparse": raw}, num_layers=4)) is None
+    sparse = {"policy": "snapkv", "budget": 256, "full_layers": [0, 1, 2]}
+    assert settings_from_vllm_config(FakeVllmConfig({"kvsparse": sparse}, num_layers=4))
 
 
 def test_additional_config_wins_over_the_environment(monkeypatch):
