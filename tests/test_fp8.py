@@ -139,7 +139,7 @@ def test_triton_quantization_matches_quantize_rows():
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
-@pytest.mark.parametrize("in_features", [256, 200])  # a whole number of key tiles, and not
+@pytest.mark.parametrize("in_features", [256, 201])  # a whole number of key tiles, and not
 def test_few_rows_matmul_matches_the_reference(rows, in_features):
     """The decode-size matmul (compiled on a GPU, interpreted on CPU) against the float32
     reference, into a strided output of which nothing else is written; 40 rows take several
@@ -149,9 +149,27 @@ def test_few_rows_matmul_matches_the_reference(rows, in_features):
     kernels = import_kernels("sparse_core.kernels.triton_fp8")
     x = torch.randn(rows, in_features, device=DEVICE) * 3
     w_fp8, w_scale = quantize_rows(torch.randn(72, in_features, device=DEVICE))
+    if in_features % 2:  # pre-quantized checkpoints often store bf16 weight scales
+        w_scale = w_scale.to(torch.bfloat16)
     x_fp8, x_scale = quantize_rows(x)
     out = torch.full((rows, 80), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     got = kernels.few_rows_matmul(x_fp8, x_scale, w_fp8, w_scale, out[:, 4:76])
-    want = (x_fp8.float() * x_scale) @ (w_fp8.float() * w_scale).t()
+    want = (x_fp8.float() * x_scale) @ (w_fp8.float() * w_scale.float()).t()
     assert rel_err(got.float(), want) < 5e-3  # one bf16 rounding
     assert out[:, :4].isnan().all() and out[:, 76:].isnan().all()
+
+
+def test_scale_product_applies_row_and_column_scales():
+    """The decode-size matmul's scaling kernel (compiled on a GPU, interpreted on CPU): one
+    rounding of acc * row scale * column scale, into a strided output, nothing else written."""
+    from tests.triton_setup import DEVICE, import_kernels
+
+    kernels = import_kernels("sparse_core.kernels.triton_fp8")
+    acc = torch.randn(7, 1500, device=DEVICE) * 300
+    row_scale = torch.rand(7, 1, device=DEVICE) + 1e-3
+    col_scale = (torch.rand(1500, 1, device=DEVICE) + 1e-3).to(torch.bfloat16)
+    out = torch.full((7, 1600), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    got = kernels.scale_product(acc, row_scale, col_scale, out[:, 50:1550])
+    want = (acc * (row_scale * col_scale.float().t())).to(torch.bfloat16)
+    assert torch.equal(got, want)
+    assert out[:, :50].isnan().all() and out[:, 1550:].isnan().all()
