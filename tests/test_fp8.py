@@ -140,7 +140,9 @@ def test_triton_quantization_matches_quantize_rows():
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
 @pytest.mark.parametrize("in_features", [256, 201])  # a whole number of key tiles, and not
-def test_few_rows_matmul_matches_the_reference(rows, in_features):
+# bf16: as pre-quantized checkpoints often store their weight scales
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_matmul_matches_the_reference(rows, in_features, scale_dtype):
     """The decode-size matmul (compiled on a GPU, interpreted on CPU) against the float32
     reference, into a strided output of which nothing else is written; 40 rows take several
     row tiles on CPU."""
@@ -149,8 +151,7 @@ def test_few_rows_matmul_matches_the_reference(rows, in_features):
     kernels = import_kernels("sparse_core.kernels.triton_fp8")
     x = torch.randn(rows, in_features, device=DEVICE) * 3
     w_fp8, w_scale = quantize_rows(torch.randn(72, in_features, device=DEVICE))
-    if in_features % 2:  # pre-quantized checkpoints often store bf16 weight scales
-        w_scale = w_scale.to(torch.bfloat16)
+    w_scale = w_scale.to(scale_dtype)
     x_fp8, x_scale = quantize_rows(x)
     out = torch.full((rows, 80), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     got = kernels.few_rows_matmul(x_fp8, x_scale, w_fp8, w_scale, out[:, 4:76])

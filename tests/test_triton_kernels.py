@@ -351,6 +351,7 @@ def test_fp8_split_count_fills_the_waves_of_programs(monkeypatch) -> None:
     assert tk.decode_num_splits(20, 8, 4608, cpu, fp8) == 3  # 480 programs: one wave, not 640
     assert tk.decode_num_splits(50, 8, 4608, cpu, fp8) == 1
     assert tk.decode_num_splits(20, 8, 2 * tk._FP8_MIN_TOKENS_PER_SPLIT - 1, cpu, fp8) == 1
+    assert tk.decode_num_splits(1, 8, 10**6, cpu, fp8) == tk._MAX_SPLITS  # the merge's bound
 
 
 # --- RoPE and the KV store, alone and fused with decode attention ----------------------------

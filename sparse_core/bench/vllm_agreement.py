@@ -8,8 +8,8 @@ engine, on a real model.
 
 Prompts are accuracy-suite samples (passkey and single-needle tasks) of `--length` tokens, fed
 as token ids. Six runs, greedy with `ignore_eos`: stock vLLM; the plugin dense (it then stays out
-of vLLM's way, so this checks that it does); the plugin with the sparse policy's layer groups and
-a budget no prompt reaches (its kernels on every layer, nothing compressed); the plugin with the
+of vLLM's way, so this checks that it does); the plugin with the sparse policy's whole layers and
+the others at a budget no prompt reaches (its kernels on every layer, nothing compressed); the plugin with the
 sparse policy; kvsparse's engine with the same policy and dense. Pairs: plugin dense vs stock
 vLLM (identical by construction), plugin uncompressed vs stock vLLM (the plugin's kernels
 against vLLM's), plugin sparse vs kvsparse sparse (the same selection inside vLLM), kvsparse
@@ -22,7 +22,6 @@ Needs vLLM importable (docs/vllm_plugin.md).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -121,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.policy == "dense":
         p.error("--policy: a sparse policy, compared against dense")
     sparse = sparsity_for(args.policy, args.budget, args.window, args.full_layers)
-    uncompressed = dataclasses.replace(sparse, budget=args.length + args.max_tokens)
+    # The sparse run's whole layers, snapkv's budget above every prompt: whatever the policy
+    # (pyramid's deep layers take a fraction of the budget), no layer compresses.
+    uncompressed = sparsity_for("snapkv", args.length + args.max_tokens, args.window,
+                                args.full_layers)  # fmt: skip
     dense = SparsityConfig(policy="dense")
     prompts = prompts_of(args.model, args.length, args.num_prompts)
     runs = {

@@ -6,8 +6,9 @@ One program per row: a pass for the row's largest magnitude, then a pass that sc
 stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
 thousand small launches with one per layer.
 
-The matmul takes one of three routes to the same result, by the number of rows (tokens), each
-where it was fastest on the H200 (docs/benchmarks.md, "Kernels and the decode roofline"):
+The matmul takes one of three routes to the same result, by the number of rows (tokens): at each
+count, the route that was fastest on the H200 for a Llama-3-8B layer's four projections
+together (docs/benchmarks.md, "Kernels and the decode roofline"):
 - prompt-sized inputs: `torch._scaled_mm` with row-wise scales (one per token, one per output
   channel);
 - decode batches: cuBLASLt's FP8 matmul with one scale per tensor is much faster than its
@@ -113,22 +114,32 @@ def _few_rows_matmul_kernel(
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=channel_ok[:, None] & row_ok[None, :])
 
 
-def _few_rows_tiles(out_features: int, rows: int, on_gpu: bool) -> tuple[int, int, int, int, int]:
+# Shared memory one program may take: 227 KB on data-centre GPUs (sm_90, sm_100), about 99 KB
+# on Ada (sm_89, the RTX 4090) and consumer Blackwell; less this much for the epilogue.
+_LARGE_SMEM, _SMALL_SMEM, _EPILOGUE_SMEM = 227 * 1024, 99 * 1024, 16 * 1024
+
+
+def _few_rows_tiles(
+    out_features: int, rows: int, device: torch.device
+) -> tuple[int, int, int, int, int]:
     """(BLOCK_N output channels, BLOCK_M rows, BLOCK_K, num_warps, num_stages) of the few-rows
     matmul.
 
     A program holds up to 128 rows (more take more programs, each reading the weights again).
     Wide layers (an MLP's gate and up) take 128-channel tiles; the others 64, which gives
     enough programs to cover the SMs (docs/benchmarks.md, "Kernels and the decode roofline").
-    tl.dot needs at least 16 rows. The interpreter takes small tiles, so the tests cover
-    several of each.
+    tl.dot needs at least 16 rows. Four stages of tiles in flight were fastest on the H200;
+    GPUs with less shared memory get as many as fit (not measured). The interpreter takes
+    small tiles, so the tests cover several of each.
     """
-    if not on_gpu:
+    if device.type != "cuda":
         return 16, 16, 32, 4, 1
     block_m = max(16, min(128, triton.next_power_of_2(rows)))
-    if out_features >= 16384:
-        return 128, block_m, 128, 4, 4
-    return 64, block_m, 256, 4, 4
+    block_n, block_k = (128, 128) if out_features >= 16384 else (64, 256)
+    large_smem = torch.cuda.get_device_properties(device).major in (9, 10)
+    smem = (_LARGE_SMEM if large_smem else _SMALL_SMEM) - _EPILOGUE_SMEM
+    stages = min(4, smem // ((block_n + block_m) * block_k))  # one e4m3 byte per element
+    return block_n, block_m, block_k, 4, max(1, stages)
 
 
 def few_rows_matmul(
@@ -139,15 +150,16 @@ def few_rows_matmul(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """out = (x_fp8 * x_scale) @ (weight * weight_scale)^T in float32, rounded once to out's
-    dtype: x_fp8 (rows, in) e4m3 with x_scale (rows, 1), weight (out features, in) e4m3 with
-    weight_scale (out features, 1), both float32 scales; out (rows, out features). Returns out."""
+    dtype: x_fp8 (rows, in) e4m3 with float32 x_scale (rows, 1), weight (out features, in) e4m3
+    with weight_scale (out features, 1), float32 or bf16; out (rows, out features). Returns
+    out."""
     rows, in_features = x_fp8.shape
     out_features = weight.shape[0]
     assert x_fp8.stride(1) == weight.stride(1) == out.stride(1) == 1, "rows must be contiguous"
     if rows == 0:
         return out
     block_n, block_m, block_k, num_warps, num_stages = _few_rows_tiles(
-        out_features, rows, x_fp8.is_cuda
+        out_features, rows, x_fp8.device
     )
     grid = (triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))
     options = {"num_warps": num_warps, "num_stages": num_stages} if x_fp8.is_cuda else {}

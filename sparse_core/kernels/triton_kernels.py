@@ -767,8 +767,9 @@ def _combine_splits_kernel(
 # times as many programs of 1/S the work: the launch takes ceil(programs x S / wave) / S of the
 # unsplit time, and the S that minimises it won at every batch measured, 1.1-1.9x on long
 # contexts (docs/benchmarks.md). A split holds at least 512 keys of the longest context (more
-# splits fill waves a little better, but each pays its merge), and above 1 x SMs programs there
-# are at most 4: more only tied on long contexts and lost on short ones. From 3 x SMs, unsplit.
+# splits fill waves a little better, but each pays its merge), and from 1 x SMs programs on
+# there are at most 4: more only tied on long contexts and lost on short ones. From 3 x SMs,
+# unsplit. Never more than _MAX_SPLITS, which the merge kernel is compiled for.
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 _FP8_PROGRAMS_PER_SM = 4
@@ -790,12 +791,20 @@ def decode_num_splits(
     cache_dtype: torch.dtype = torch.bfloat16,
 ) -> int:
     """Key-axis splits for a decode step over a cache of `cache_dtype`."""
-    programs, sms = batch * num_kv_heads, _num_sms(device)
-    if cache_dtype == FP8_DTYPE:
+    return _num_splits(
+        batch * num_kv_heads, _num_sms(device), max_context_len, cache_dtype == FP8_DTYPE
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_splits(programs: int, sms: int, max_context_len: int, fp8: bool) -> int:
+    """decode_num_splits for `programs` unsplit programs on `sms` SMs (cached: eager steps ask
+    once per layer, and the FP8 rule tries every count)."""
+    if fp8:
         if programs >= 3 * sms:
             return 1
         wave = _FP8_PROGRAMS_PER_SM * sms
-        most = max(1, max_context_len // _FP8_MIN_TOKENS_PER_SPLIT)
+        most = min(_MAX_SPLITS, max(1, max_context_len // _FP8_MIN_TOKENS_PER_SPLIT))
         if programs >= sms:
             most = min(most, _FP8_MAX_SPLITS_ABOVE_SMS)
         # The fewest splits among those that take the least time.

@@ -71,6 +71,8 @@ def settings_from_vllm_config(vllm_config: Any) -> PluginSettings | None:
 
 
 def current_settings() -> PluginSettings | None:
+    """The settings of the vLLM config being built, which vLLM sets while it picks attention
+    backends and builds layers; outside one (no model known) the environment's, as given."""
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
