@@ -326,26 +326,31 @@ def bench_scoring(n: int = 4000, window: int = 32, budget: int = 512) -> dict[st
     }
 
 
-def bench_decode(
-    batch: int, context: int, copy_gbs: float, cache_dtype: torch.dtype = DTYPE
-) -> dict[str, Any]:
+def _decode_timer(
+    batch: int, context: int, cache_dtype: torch.dtype
+) -> tuple[int, Callable[[int], float]]:
+    """(K+V bytes a call reads, ms per call at a given split count) of paged decode over `batch`
+    contexts of `context` tokens. One cache per "layer", as a decode step walks the layers;
+    together they exceed L2."""
     kv_bytes = 2 * batch * context * NUM_KV * HEAD_DIM * cache_dtype.itemsize
-    # One cache per "layer", as a decode step walks the layers; together they exceed L2.
     layers = [_paged([context] * batch, cache_dtype) for _ in range(_num_copies(kv_bytes))]
     q = _randn(batch, NUM_Q, HEAD_DIM)
-    splits = tk.decode_num_splits(batch, NUM_KV, context, q.device, cache_dtype)
 
     def run(num_splits: int) -> float:
         # max_context_len and num_splits given: no host sync, so the calls are graph-capturable.
-        return _time_ms(
-            [
-                lambda layer=layer: tk.paged_decode_attention(
-                    q, *layer, SCALE, max_context_len=context, num_splits=num_splits
-                )
-                for layer in layers
-            ]
+        decode = functools.partial(
+            tk.paged_decode_attention, max_context_len=context, num_splits=num_splits
         )
+        return _time_ms([functools.partial(decode, q, *layer, SCALE) for layer in layers])
 
+    return kv_bytes, run
+
+
+def bench_decode(
+    batch: int, context: int, copy_gbs: float, cache_dtype: torch.dtype = DTYPE
+) -> dict[str, Any]:
+    kv_bytes, run = _decode_timer(batch, context, cache_dtype)
+    splits = tk.decode_num_splits(batch, NUM_KV, context, torch.device(DEVICE), cache_dtype)
     ms = run(splits)
     ms_no_split = run(1) if splits > 1 else ms
     gbs = kv_bytes / ms / 1e6
@@ -370,18 +375,10 @@ SPLIT_SWEEP_BATCHES = (8, 16, 20, 32, 40, 46, 56)
 
 def bench_decode_splits(batch: int, context: int, cache_dtype: torch.dtype) -> dict[str, Any]:
     """Paged decode at every count of SPLIT_SWEEP, beside the count the engine picks."""
-    kv_bytes = 2 * batch * context * NUM_KV * HEAD_DIM * cache_dtype.itemsize
-    layers = [_paged([context] * batch, cache_dtype) for _ in range(_num_copies(kv_bytes))]
-    q = _randn(batch, NUM_Q, HEAD_DIM)
-    us = {}
-    for splits in SPLIT_SWEEP:
-        run = functools.partial(
-            tk.paged_decode_attention, max_context_len=context, num_splits=splits
-        )
-        us[splits] = 1e3 * _time_ms([functools.partial(run, q, *layer, SCALE) for layer in layers])
-    chosen = tk.decode_num_splits(batch, NUM_KV, context, q.device, cache_dtype)
+    _, run = _decode_timer(batch, context, cache_dtype)
+    chosen = tk.decode_num_splits(batch, NUM_KV, context, torch.device(DEVICE), cache_dtype)
     return {"cache": _cache_name(cache_dtype), "batch": batch, "context": context,
-            "chosen": chosen, "us": us}  # fmt: skip
+            "chosen": chosen, "us": {n: 1e3 * run(n) for n in SPLIT_SWEEP}}  # fmt: skip
 
 
 # Llama-3-8B's FP8 projections (in features, out features): qkv, o, gate_up, down.
