@@ -51,9 +51,8 @@ def test_slot_table_skips_the_gap_of_a_compacted_prompt() -> None:
     # Row 0: prompt of 30 compacted to 12 kept, then 5 generated tokens (positions 30..34).
     # Row 1: prompt of 10 under the budget: nothing skipped, 3 generated.
     table = torch.randperm(NUM_BLOCKS)[:10].view(2, 5).to(torch.int32).to(DEVICE)
-    kept = torch.tensor([12, 10], device=DEVICE)
-    skipped = torch.tensor([18, 0], device=DEVICE)
-    slots = context_slot_table(table, BLOCK, kept, skipped, max_len=17)
+    skipped = torch.tensor([18, 0], dtype=torch.int32, device=DEVICE)
+    slots = context_slot_table(table, BLOCK, 12, skipped, max_len=17)
     assert slots.dtype == torch.int32 and slots.shape == (2, 17)
     for row, positions in ((0, [*range(12), *range(30, 35)]), (1, list(range(13)))):
         expected = [int(table[row, p // BLOCK]) * BLOCK + p % BLOCK for p in positions]
@@ -118,11 +117,7 @@ def test_kernels_store_compact_and_decode_on_vllm_views(dtype: torch.dtype) -> N
 
     k_cache, v_cache = split_kv_cache(sparse["kernel"], HEAD)
     slots = context_slot_table(
-        table,
-        BLOCK,
-        torch.tensor([budget], device=DEVICE),
-        torch.tensor([prompt - budget], device=DEVICE),
-        budget + generated,
+        table, BLOCK, budget, torch.tensor([prompt - budget], device=DEVICE), budget + generated
     )
     lens = torch.tensor([budget + generated], dtype=torch.int32, device=DEVICE)
     sparse_args = (pages_of(k_cache, 1), pages_of(v_cache, 1), slots, lens, 0.3)

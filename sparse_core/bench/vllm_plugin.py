@@ -8,7 +8,8 @@ with vLLM's own KV accounting while the sequences run.
 
 Each engine runs in a process of its own (vLLM picks its attention backend once per process), on
 the same random prompts (token ids), greedy, `ignore_eos`. Per engine: output tokens/s from the
-first request to the last token, vLLM's KV cache in blocks (with the plugin, vLLM lays layers out
+first request to the last token, the median time of a step that started no request (a step of
+decodes only, as the engine's loop sees it), vLLM's KV cache in blocks (with the plugin, vLLM lays layers out
 as several KV cache groups, and each block holds block_size tokens of one group's layers, so
 blocks are not tokens of the whole model), the most sequences running at once, vLLM's free
 blocks then, and preemptions. The defaults are the GPU benchmarks' shape
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -78,10 +80,18 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         for i, ids in enumerate(prompts):
             engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
         output_tokens, steps, most_running, free_then = 0, 0, 0, None
+        decode_steps: list[float] = []  # seconds of each step that started no request
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            step_start = time.perf_counter()
+            outputs = engine.step()
+            started = False
+            for out in outputs:
+                generated = len(out.outputs[0].token_ids)
+                started = started or generated == 1
                 if out.finished:
-                    output_tokens += len(out.outputs[0].token_ids)
+                    output_tokens += generated
+            if outputs and not started:
+                decode_steps.append(time.perf_counter() - step_start)
             steps += 1
             if steps % SAMPLE_EVERY == 0:
                 metrics = vllm_metrics(llm)
@@ -103,6 +113,10 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "output_tokens": output_tokens,
         "output_tok_per_s": round(output_tokens / wall, 1),
+        "steps": steps,
+        "decode_step_ms_median": round(1000 * statistics.median(decode_steps), 2)
+        if decode_steps
+        else None,
         "kv_blocks": blocks,
         "block_size": block_size,
         "most_running": most_running,
@@ -143,15 +157,19 @@ def without_json(argv: list[str]) -> list[str]:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print("| engine | output tok/s | KV blocks | most running | free blocks then | preemptions |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| engine | output tok/s | KV blocks | most running | free blocks then | preemptions "
+        "| decode step, median |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['engine']} | {r['error']} | | | | |")
+            print(f"| {r['engine']} | {r['error']} | | | | | |")
             continue
         print(
             f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_blocks']:,} | "
-            f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} |"
+            f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} "
+            f"| {r['decode_step_ms_median']} ms |"
         )
 
 

@@ -127,18 +127,20 @@ def _few_rows_tiles(
 
     A program holds up to 128 rows (more take more programs, each reading the weights again).
     Wide layers (an MLP's gate and up) take 128-channel tiles; the others 64, which gives
-    enough programs to cover the SMs (docs/benchmarks.md, "Kernels and the decode roofline").
-    tl.dot needs at least 16 rows. Four stages of tiles in flight were fastest on the H200;
-    GPUs with less shared memory get as many as fit (not measured). The interpreter takes
-    small tiles, so the tests cover several of each.
+    enough programs to cover the SMs (docs/benchmarks.md, "Kernels and the decode roofline");
+    32-channel tiles, twice the programs, were slower on the H200. tl.dot needs at least 16
+    rows. Stages of tiles in flight: 4 for the wide layers, 6 for the others (the fastest on the
+    H200; a down projection's 64 programs, one per SM, need the deeper pipeline to keep enough
+    bytes in flight); GPUs with less shared memory get as many as fit (not measured). The
+    interpreter takes small tiles, so the tests cover several of each.
     """
     if device.type != "cuda":
         return 16, 16, 32, 4, 1
     block_m = max(16, min(128, triton.next_power_of_2(rows)))
-    block_n, block_k = (128, 128) if out_features >= 16384 else (64, 256)
+    block_n, block_k, most_stages = (128, 128, 4) if out_features >= 16384 else (64, 256, 6)
     large_smem = torch.cuda.get_device_properties(device).major in (9, 10)
     smem = (_LARGE_SMEM if large_smem else _SMALL_SMEM) - _EPILOGUE_SMEM
-    stages = min(4, smem // ((block_n + block_m) * block_k))  # one e4m3 byte per element
+    stages = min(most_stages, smem // ((block_n + block_m) * block_k))  # one e4m3 byte each
     return block_n, block_m, block_k, 4, max(1, stages)
 
 

@@ -119,26 +119,32 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         out = output[:n]
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
         ops.store_kv(k, v, k_cache, v_cache, m.store_slots)
-        if len(m.prefill_index):
-            qp, kp, vp = q[m.prefill_index], k[m.prefill_index], v[m.prefill_index]
+        if m.num_prefill_tokens:
+            rows = m.prefill_tokens
+            qp, kp, vp = q[rows], k[rows], v[rows]
             prefill_out, lse = ops.prefill_attention(
                 qp, kp, vp, m.prefill_cu_seqlens, self.scale, m.prefill_max_len
             )
-            out[m.prefill_index] = prefill_out.to(out.dtype)
+            out[rows] = prefill_out.to(out.dtype)
             if m.compress_bounds:
                 assert self.selection is not None and m.budget is not None
                 prompts = PromptBatch.from_bounds(m.compress_bounds, query.device)
                 kept = self.selection.select(qp, kp, lse, prompts, m.budget, self.scale)
                 ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots)
-        if len(m.decode_index):
+        if m.num_decodes:
+            rows = m.decode_tokens
+            # Decode rows in one range (vLLM's usual order) are written in place.
+            in_place = isinstance(rows, slice) and out.dtype == q.dtype
             decode_out = ops.paged_decode_attention(
-                q[m.decode_index],
+                q[rows],
                 pages_of(k_cache, m.decode_page_size),
                 pages_of(v_cache, m.decode_page_size),
                 m.decode_table,
                 m.decode_context_lens,
                 self.scale,
                 m.decode_max_len,
+                out=out[rows] if in_place else None,
             )
-            out[m.decode_index] = decode_out.to(out.dtype)
+            if not in_place:
+                out[rows] = decode_out.to(out.dtype)
         return output

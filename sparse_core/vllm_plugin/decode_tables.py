@@ -30,18 +30,20 @@ def pages_of(cache: torch.Tensor, page_size: int) -> torch.Tensor:
 def context_slot_table(
     block_table: torch.Tensor,
     block_size: int,
-    kept: torch.Tensor,
+    kept: int,
     skipped: torch.Tensor,
     max_len: int,
 ) -> torch.Tensor:
     """[R, max_len] int32 cache slots of R decode rows' contexts: context token j of row i sits
-    at position j for j < kept[i] and j + skipped[i] after (the gap of a compacted prompt).
+    at position j for j < kept and j + skipped[i] after (the gap of a compacted prompt; 0 for a
+    prompt stored whole).
 
-    block_table [R, max_blocks]: the rows' vLLM block tables; kept, skipped [R] on its device.
-    Entries past a row's context length are in bounds but meaningless (decode masks them).
+    block_table [R, max_blocks]: the rows' vLLM block tables; kept: the group's budget; skipped
+    [R] on the block table's device. Entries past a row's context length are in bounds but
+    meaningless (decode masks them).
     """
     j = torch.arange(max_len, device=block_table.device)
-    positions = j + (j >= kept[:, None]) * skipped[:, None]
+    positions = j + (j >= kept) * skipped[:, None].long()
     block_index = (positions // block_size).clamp_(max=block_table.shape[1] - 1)
     blocks = torch.gather(block_table, 1, block_index)
     return (blocks * block_size + positions % block_size).to(torch.int32)

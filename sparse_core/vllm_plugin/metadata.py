@@ -1,13 +1,18 @@
 """Per-step attention metadata of one KV cache group, built from vLLM's common metadata.
 
 Each request row of a step is either a whole prompt (chunked prefill and prefix caching are off
-while the plugin is active) or one decode token. Decode reads its context through a table
-(decode_tables.py): a full group's block table, in pages of block_size tokens; in a sparse
-group the cache slot of every token it attends to (pages of one token): for a compacted request
-the kept tokens at positions [0, budget) followed by the generated tokens at [n, seq_len); the
-gap in between is never read, so its blocks can be freed. The tables are built on the device,
-from the block table vLLM already put there; the row lengths and the sparse groups' first blocks
-are read back to the host once per group and step.
+while the plugin is active) or one decode token (step_rows.py). Decode reads its context through
+a table (decode_tables.py): a full group's block table, in pages of block_size tokens; in a
+sparse group the cache slot of every token it attends to (pages of one token): for a compacted
+request the kept tokens at positions [0, budget) followed by the generated tokens at
+[n, seq_len); the gap in between is never read, so its blocks can be freed.
+
+Nothing here waits for the GPU: vLLM prepares a step while the previous one runs (async
+scheduling), and a device-to-host read, or a copy from pageable host memory, would make it wait.
+Row kinds come from vLLM's host copies of the query starts and sequence lengths; each sparse
+group keeps the gap of every live request on the device, keyed by the request's first block; the
+decode tables are built on the device from the block table vLLM already put there; the few host
+values a step adds go over from page-locked memory without a sync.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
 
+from sparse_core.engine.transfers import to_device
 from sparse_core.vllm_plugin.decode_tables import context_slot_table
 from sparse_core.vllm_plugin.kv_spec import BudgetAttentionSpec
+from sparse_core.vllm_plugin.step_rows import Index, StepRows, index_len, step_rows
 
 
 @dataclass
@@ -27,34 +34,53 @@ class KVSparseMetadata:
     budget: int | None  # None: a full group
     # Where each token of the step is stored; -1 for prompt tokens that are stored compacted.
     store_slots: torch.Tensor
-    # Prompts: their tokens gathered and packed ([P] indices into the step), cu_seqlens over them.
-    prefill_index: torch.Tensor
+    # Prompts: their tokens in the step (a slice, or indices on the device), cu_seqlens over
+    # them packed.
+    prefill_tokens: Index
     prefill_cu_seqlens: torch.Tensor
     prefill_max_len: int
     # Prompts longer than the budget: [start, end) in the packed prompt tokens, and the slots of
     # positions [0, budget) of each, where its kept tokens go.
     compress_bounds: list[tuple[int, int]]
     kept_slots: torch.Tensor
-    # Decode tokens: [D] indices into the step, their context tables [D, max_pages] in pages of
-    # `decode_page_size` tokens, and their context lengths.
-    decode_index: torch.Tensor
+    # Decode tokens: their place in the step (as prefill_tokens), their context tables
+    # [D, max_pages] in pages of `decode_page_size` tokens, and their context lengths, of which
+    # decode_max_len is an upper bound.
+    decode_tokens: Index
     decode_table: torch.Tensor
     decode_page_size: int
     decode_context_lens: torch.Tensor
     decode_max_len: int
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return index_len(self.prefill_tokens)
+
+    @property
+    def num_decodes(self) -> int:
+        return index_len(self.decode_tokens)
+
 
 class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
+    # vLLM puts requests of one new token first: decode and prompt tokens are then two slices.
+    reorder_batch_threshold: int | None = 1
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.budget = (
             kv_cache_spec.budget if isinstance(kv_cache_spec, BudgetAttentionSpec) else None
         )
         self.block_size = kv_cache_spec.block_size
-        # Prompt length of each live request, keyed by its first block in this group (a block
-        # belongs to one request at a time, and the first block is never freed). Decode steps
-        # need it to skip the gap; vLLM's common metadata does not carry it.
-        self.prompt_len_by_first_block: dict[int, int] = {}
+        # Positions [budget, prompt length) that a live request's compacted prompt never stored,
+        # keyed by its first block in this group (a block belongs to one request at a time, and
+        # the first block is never freed); 0 for prompts stored whole. Every prompt sets its
+        # entry in the step that runs it. vLLM's common metadata carries no prompt lengths.
+        self.gap_by_first_block: torch.Tensor | None = None
+        if self.budget is not None:
+            num_blocks = vllm_config.cache_config.num_gpu_blocks
+            if not num_blocks:
+                raise RuntimeError("kvsparse: vLLM built attention metadata before its KV cache")
+            self.gap_by_first_block = torch.zeros(num_blocks, dtype=torch.int32, device=device)
 
     def build(
         self,
@@ -63,108 +89,74 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         fast_build: bool = False,
     ) -> KVSparseMetadata:
         cm = common_attn_metadata
-        num_tokens = cm.num_actual_tokens
-        device = self.device
-        starts = cm.query_start_loc_cpu[: cm.num_reqs + 1].tolist()
-        seq_lens = cm.seq_lens[: cm.num_reqs].tolist()
+        rows = step_rows(cm.query_start_loc_cpu[: cm.num_reqs + 1], _host_seq_lens(cm))
         block_table = cm.block_table_tensor[: cm.num_reqs]
-        # First blocks key the prompt lengths; a full group needs none.
-        first_blocks = block_table[:, 0].tolist() if self.budget is not None else []
-        slot_mapping = cm.slot_mapping[:num_tokens]
-        prefill_rows: list[tuple[int, int]] = []
-        compress_bounds: list[tuple[int, int]] = []
-        compressed_rows: list[tuple[int, int]] = []
-        kept_slots: list[torch.Tensor] = []
-        decode_tokens: list[int] = []
-        decode_rows: list[int] = []
-        packed = 0
-        for row in range(cm.num_reqs):
-            start, end = starts[row], starts[row + 1]
-            num_new, seq_len = end - start, seq_lens[row]
-            if num_new == 0:
-                continue
-            if num_new == seq_len:
-                if self.budget is not None:
-                    self.prompt_len_by_first_block[first_blocks[row]] = seq_len
-                prefill_rows.append((start, end))
-                if self.budget is not None and seq_len > self.budget:
-                    compress_bounds.append((packed, packed + seq_len))
-                    compressed_rows.append((start, end))
-                    kept_slots.append(slot_mapping[start : start + self.budget])
-                packed += seq_len
-            elif num_new == 1:
-                decode_tokens.append(start)
-                decode_rows.append(row)
-            else:
-                raise NotImplementedError(
-                    "kvsparse: a step continued a partly computed prompt (chunked prefill, "
-                    "prefix caching or speculative decoding); the plugin needs whole prompts"
-                )
+        slot_mapping = cm.slot_mapping[: cm.num_actual_tokens]
+        lengths = [end - start for start, end in rows.prompt_bounds]
+        compressed = [
+            (start, end) for start, end in rows.prompt_bounds if self._compresses(end - start)
+        ]
         store_slots = slot_mapping.long()
-        if compressed_rows:
+        if compressed:
             # A compressed prompt's tokens are stored by the compaction, not here.
             store_slots = store_slots.clone()
-            for start, end in compressed_rows:
+            for start, end in compressed:
                 store_slots[start:end] = -1
-        prefill_index = torch.cat(
-            [torch.arange(s, e) for s, e in prefill_rows] or [torch.empty(0, dtype=torch.long)]
-        )
-        lengths = torch.tensor([e - s for s, e in prefill_rows], dtype=torch.int32)
-        cu_seqlens = torch.zeros(len(prefill_rows) + 1, dtype=torch.int32)
-        cu_seqlens[1:] = torch.cumsum(lengths, 0)
-        decode_seq_lens = [seq_lens[r] for r in decode_rows]
-        decode_first_blocks = [first_blocks[r] for r in decode_rows] if first_blocks else []
-        table, page_size, context_lens = self._decode_tables(
-            block_table, decode_rows, decode_seq_lens, decode_first_blocks
-        )
+        if self.gap_by_first_block is not None and rows.num_prompts:
+            first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
+            gaps = [n - self.budget if self._compresses(n) else 0 for n in lengths]
+            self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
+        packed_starts = [0]
+        for n in lengths:
+            packed_starts.append(packed_starts[-1] + n)
+        compress_bounds = [
+            (packed_starts[i], packed_starts[i + 1])
+            for i, n in enumerate(lengths)
+            if self._compresses(n)
+        ]
+        table, page_size, context_lens, max_len = self._decode_tables(cm, block_table, rows)
         return KVSparseMetadata(
-            num_actual_tokens=num_tokens,
+            num_actual_tokens=cm.num_actual_tokens,
             budget=self.budget,
             store_slots=store_slots,
-            prefill_index=prefill_index.to(device),
-            prefill_cu_seqlens=cu_seqlens.to(device),
-            prefill_max_len=int(lengths.max()) if len(lengths) else 0,
+            prefill_tokens=self._on_device(rows.prompt_tokens),
+            prefill_cu_seqlens=to_device(packed_starts, torch.int32, self.device),
+            prefill_max_len=max(lengths, default=0),
             compress_bounds=compress_bounds,
-            kept_slots=torch.cat(kept_slots)
-            if kept_slots
-            else torch.empty(0, dtype=torch.long, device=device),
-            decode_index=torch.tensor(decode_tokens, dtype=torch.long).to(device),
+            kept_slots=torch.cat([slot_mapping[s : s + self.budget] for s, _ in compressed])
+            if compressed
+            else slot_mapping[:0].long(),
+            decode_tokens=self._on_device(rows.decode_tokens),
             decode_table=table,
             decode_page_size=page_size,
-            decode_context_lens=context_lens.to(device),
-            decode_max_len=int(context_lens.max()) if len(context_lens) else 0,
+            decode_context_lens=context_lens,
+            decode_max_len=max_len,
         )
 
+    def _compresses(self, prompt_len: int) -> bool:
+        return self.budget is not None and prompt_len > self.budget
+
     def _decode_tables(
-        self,
-        block_table: torch.Tensor,
-        rows: list[int],
-        seq_lens: list[int],
-        first_blocks: list[int],
-    ) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """(table, page size, context lengths) of the decode rows."""
-        device = block_table.device
-        rows_table = block_table[torch.tensor(rows, dtype=torch.long).to(device)]
-        if self.budget is None or not rows:
-            return rows_table, self.block_size, torch.tensor(seq_lens, dtype=torch.int32)
-        kept: list[int] = []
-        skipped: list[int] = []
-        for first_block, seq_len in zip(first_blocks, seq_lens, strict=True):
-            prompt_len = self.prompt_len_by_first_block.get(first_block)
-            if prompt_len is None or prompt_len >= seq_len:
-                # No prompt recorded for this first block, or one that cannot be this request's
-                # (a decode row is longer than its prompt): reading its gap would be wrong.
-                raise RuntimeError(
-                    "kvsparse: a decode step for a request whose prompt this worker never saw"
-                )
-            kept.append(min(prompt_len, self.budget))
-            skipped.append(prompt_len - kept[-1])
-        context_lens = torch.tensor(seq_lens, dtype=torch.int32) - torch.tensor(skipped)
-        table = context_slot_table(
-            rows_table,
-            self.block_size,
-            torch.tensor(kept, dtype=torch.long).to(device),
-            torch.tensor(skipped, dtype=torch.long).to(device),
-            int(context_lens.max()),
-        )
-        return table, 1, context_lens.to(torch.int32)
+        self, cm: CommonAttentionMetadata, block_table: torch.Tensor, rows: StepRows
+    ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+        """(table, page size, context lengths, a bound on them) of the decode rows."""
+        decode_rows = self._on_device(rows.decode_rows)
+        rows_table = block_table[decode_rows]
+        seq_lens = cm.seq_lens[: cm.num_reqs][decode_rows].to(torch.int32)
+        max_len = int(_host_seq_lens(cm)[rows.decode_rows].max()) if rows.num_decodes else 0
+        if self.gap_by_first_block is None or not rows.num_decodes:
+            return rows_table, self.block_size, seq_lens, max_len
+        gaps = self.gap_by_first_block[rows_table[:, 0].long()]
+        table = context_slot_table(rows_table, self.block_size, self.budget, gaps, max_len)
+        return table, 1, (seq_lens - gaps).to(torch.int32), max_len
+
+    def _on_device(self, index: Index) -> Index:
+        return index if isinstance(index, slice) else to_device(index, torch.long, self.device)
+
+
+def _host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:
+    """The rows' sequence lengths on the host. vLLM's `seq_lens_cpu_upper_bound` is exact
+    without speculative decoding, which the plugin does not support."""
+    if cm.seq_lens_cpu_upper_bound is not None:
+        return cm.seq_lens_cpu_upper_bound[: cm.num_reqs]
+    return cm.seq_lens[: cm.num_reqs].cpu()
