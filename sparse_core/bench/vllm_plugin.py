@@ -9,10 +9,10 @@ with vLLM's own KV accounting while the sequences run.
 Each engine runs in a process of its own (vLLM picks its attention backend once per process), on
 the same random prompts (token ids), greedy, `ignore_eos`. Per engine: output tokens/s from the
 first request to the last token, the median time of a step that started no request (a step of
-decodes only, as the engine's loop sees it), vLLM's KV cache in blocks (with the plugin, vLLM lays layers out
-as several KV cache groups, and each block holds block_size tokens of one group's layers, so
-blocks are not tokens of the whole model), the most sequences running at once, vLLM's free
-blocks then, and preemptions. The defaults are the GPU benchmarks' shape
+decodes only, as the engine's loop sees it), vLLM's KV cache in blocks (with the plugin, vLLM
+lays layers out as several KV cache groups, and each block holds block_size tokens of one
+group's layers, so blocks are not tokens of the whole model), the most sequences running at
+once, vLLM's free blocks then, and preemptions. The defaults are the GPU benchmarks' shape
 (docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of an H200, as in stock
 vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
 """

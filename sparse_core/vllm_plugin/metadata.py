@@ -89,32 +89,35 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         fast_build: bool = False,
     ) -> KVSparseMetadata:
         cm = common_attn_metadata
-        rows = step_rows(cm.query_start_loc_cpu[: cm.num_reqs + 1], _host_seq_lens(cm))
+        host_seq_lens = _host_seq_lens(cm)
+        rows = step_rows(cm.query_start_loc_cpu[: cm.num_reqs + 1], host_seq_lens)
         block_table = cm.block_table_tensor[: cm.num_reqs]
         slot_mapping = cm.slot_mapping[: cm.num_actual_tokens]
         lengths = [end - start for start, end in rows.prompt_bounds]
-        compressed = [
-            (start, end) for start, end in rows.prompt_bounds if self._compresses(end - start)
-        ]
-        store_slots = slot_mapping.long()
-        if compressed:
-            # A compressed prompt's tokens are stored by the compaction, not here.
-            store_slots = store_slots.clone()
-            for start, end in compressed:
-                store_slots[start:end] = -1
-        if self.gap_by_first_block is not None and rows.num_prompts:
-            first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
-            gaps = [n - self.budget if self._compresses(n) else 0 for n in lengths]
-            self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
         packed_starts = [0]
         for n in lengths:
             packed_starts.append(packed_starts[-1] + n)
-        compress_bounds = [
-            (packed_starts[i], packed_starts[i + 1])
-            for i, n in enumerate(lengths)
-            if self._compresses(n)
+        # Prompts longer than the budget, by their place among the step's prompts.
+        compressed = [
+            i for i, n in enumerate(lengths) if self.budget is not None and n > self.budget
         ]
-        table, page_size, context_lens, max_len = self._decode_tables(cm, block_table, rows)
+        store_slots = slot_mapping.long()
+        kept_slots: list[torch.Tensor] = []
+        if compressed:
+            # A compressed prompt's tokens are stored by the compaction, not here: its kept
+            # tokens go to the slots of its positions [0, budget).
+            store_slots = store_slots.clone()
+            for i in compressed:
+                start, end = rows.prompt_bounds[i]
+                store_slots[start:end] = -1
+                kept_slots.append(slot_mapping[start : start + self.budget])
+        if self.gap_by_first_block is not None and rows.num_prompts:
+            first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
+            gaps = [max(0, n - self.budget) for n in lengths]
+            self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
+        table, page_size, context_lens, max_len = self._decode_tables(
+            cm, block_table, rows, host_seq_lens
+        )
         return KVSparseMetadata(
             num_actual_tokens=cm.num_actual_tokens,
             budget=self.budget,
@@ -122,10 +125,8 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             prefill_tokens=self._on_device(rows.prompt_tokens),
             prefill_cu_seqlens=to_device(packed_starts, torch.int32, self.device),
             prefill_max_len=max(lengths, default=0),
-            compress_bounds=compress_bounds,
-            kept_slots=torch.cat([slot_mapping[s : s + self.budget] for s, _ in compressed])
-            if compressed
-            else slot_mapping[:0].long(),
+            compress_bounds=[(packed_starts[i], packed_starts[i + 1]) for i in compressed],
+            kept_slots=torch.cat(kept_slots) if kept_slots else slot_mapping[:0].long(),
             decode_tokens=self._on_device(rows.decode_tokens),
             decode_table=table,
             decode_page_size=page_size,
@@ -133,17 +134,18 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             decode_max_len=max_len,
         )
 
-    def _compresses(self, prompt_len: int) -> bool:
-        return self.budget is not None and prompt_len > self.budget
-
     def _decode_tables(
-        self, cm: CommonAttentionMetadata, block_table: torch.Tensor, rows: StepRows
+        self,
+        cm: CommonAttentionMetadata,
+        block_table: torch.Tensor,
+        rows: StepRows,
+        host_seq_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
         """(table, page size, context lengths, a bound on them) of the decode rows."""
         decode_rows = self._on_device(rows.decode_rows)
         rows_table = block_table[decode_rows]
         seq_lens = cm.seq_lens[: cm.num_reqs][decode_rows].to(torch.int32)
-        max_len = int(_host_seq_lens(cm)[rows.decode_rows].max()) if rows.num_decodes else 0
+        max_len = int(host_seq_lens[rows.decode_rows].max()) if rows.num_decodes else 0
         if self.gap_by_first_block is None or not rows.num_decodes:
             return rows_table, self.block_size, seq_lens, max_len
         gaps = self.gap_by_first_block[rows_table[:, 0].long()]

@@ -25,7 +25,7 @@ class StepRows:
     decode_tokens: Index
     prompt_rows: Index
     prompt_tokens: Index
-    # Each prompt's [start, end) in the step's tokens, and its length (its whole sequence).
+    # Each prompt's [start, end) in the step's tokens (a prompt's tokens are its whole sequence).
     prompt_bounds: list[tuple[int, int]]
 
     @property
