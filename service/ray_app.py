@@ -78,7 +78,7 @@ class RayAppConfig:
     min_replicas: int = 1
     max_replicas: int = 1
     target_ongoing_requests: float = 16
-    # More of Serve's AutoscalingConfig fields (upscale_delay_s, metrics_interval_s, ...).
+    # More of Serve's AutoscalingConfig fields (upscale_delay_s, look_back_period_s, ...).
     autoscaling_config: dict[str, Any] = field(default_factory=dict)
     max_ongoing_requests: int | None = None  # per replica; default 2 x max_num_seqs
     max_queued_requests: int = 256  # per caller, beyond which requests get 503

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_manifests_dashboards import GRAFANA_VARS, alert_rules, dashboard_exprs
-from tests.service.servers import API_KEY, MODEL, free_port, wait_for
+from tests.service.servers import API_KEY, MODEL, free_port, ray_serve_app, wait_for
 
 ARGS = {
     "model": MODEL,
@@ -26,30 +26,15 @@ ARGS = {
     "sparsity": {"policy": "snapkv", "budget": 32, "window": 8, "sinks": 4, "full_layers": 2},
     "api_key": API_KEY,
 }
-# Series only recorded when their event happens (no preemption in this light load).
-EVENT_ONLY = ("ray_kvsparse_num_preemptions_total",)
+# Series only recorded when their event happens (no preemption in this light load) or on a GPU.
+NOT_HERE = ("ray_kvsparse_num_preemptions_total", "ray_kvsparse_gpu_memory_peak_bytes")
 
 
 @pytest.fixture(scope="module")
 def ray_app() -> Iterator[tuple[str, str]]:
-    """(OpenAI base URL, Ray metrics URL) of the application on a local cluster."""
-    import ray
-    from ray import serve
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-
-    metrics_port, http_port = free_port(), free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000})  # fmt: skip
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        builder = import_attr("service.ray_app:build_app")
-        serve.run(call_user_app_builder_with_args_if_necessary(builder, ARGS), name="kvsparse")
-        yield f"http://127.0.0.1:{http_port}/v1", f"127.0.0.1:{metrics_port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    """(OpenAI base URL, Ray metrics address) of the application on a local cluster."""
+    with ray_serve_app(ARGS, "kvsparse", with_metrics=True) as app:
+        yield app.v1, app.metrics_address
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +104,7 @@ def test_dashboard_and_alert_queries_evaluate(ray_app, prometheus: str, helm: st
 
     empty = []
     for expr in dashboard_exprs():
-        if not query(prometheus, expr)["result"] and not any(m in expr for m in EVENT_ONLY):
+        if not query(prometheus, expr)["result"] and not any(m in expr for m in NOT_HERE):
             empty.append(expr)
     assert not empty, f"dashboard queries without data: {empty}"
     for group in alert_rules(helm):

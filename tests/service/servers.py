@@ -255,3 +255,54 @@ def abandon_request(url: str, body: dict, headers: dict, generating) -> None:
                 await task
 
     asyncio.run(run())
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register; on a loaded 2-core machine the
+# first start can miss it, and a second start (warm page cache) does not.
+RAY_START_ATTEMPTS = 3
+
+
+@dataclass
+class RayApp:
+    v1: str  # http://127.0.0.1:PORT/v1
+    metrics_address: str | None  # 127.0.0.1:PORT of Ray's Prometheus endpoint, when asked for
+
+
+def _start_ray(metrics_port: int | None) -> None:
+    import ray
+
+    options: dict = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
+    if metrics_port is not None:
+        options["_metrics_export_port"] = metrics_port
+        options["_system_config"] = {"metrics_report_interval_ms": 1000}  # default 10 s
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(**options)
+            return
+        except Exception as error:  # Ray raises a bare Exception for this
+            ray.shutdown()
+            if "timed out during startup" not in str(error) or attempt == RAY_START_ATTEMPTS:
+                raise
+
+
+@contextlib.contextmanager
+def ray_serve_app(args: dict, name: str, with_metrics: bool = False) -> Iterator[RayApp]:
+    """The application on a fresh local Ray cluster, built as `serve run` / `serve deploy` build
+    it from a config file's import_path and args (what the Helm chart deploys)."""
+    import ray
+    from ray import serve
+    from ray._common.utils import import_attr
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    metrics_port = free_port() if with_metrics else None
+    http_port = free_port()
+    _start_ray(metrics_port)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        builder = import_attr("service.ray_app:build_app")
+        serve.run(call_user_app_builder_with_args_if_necessary(builder, args), name=name)
+        metrics = f"127.0.0.1:{metrics_port}" if metrics_port is not None else None
+        yield RayApp(f"http://127.0.0.1:{http_port}/v1", metrics)
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.service.servers import API_KEY, MODEL, free_port
+from tests.service.servers import API_KEY, MODEL, ray_serve_app
 
 pytestmark = pytest.mark.ray
 
@@ -28,11 +28,6 @@ def served(tmp_path_factory) -> Iterator[tuple[str, Path]]:
     from service.ray_env import apply_serve_environment
 
     apply_serve_environment()
-    import ray
-    from ray import serve
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-
     step_log = tmp_path_factory.mktemp("ray") / "steps.jsonl"
     args = {
         "model": MODEL,
@@ -41,16 +36,8 @@ def served(tmp_path_factory) -> Iterator[tuple[str, Path]]:
         "sparsity": {"policy": "snapkv", "budget": 64, "window": 16, "sinks": 4, "full_layers": 2},
         "api_key": API_KEY,
     }  # fmt: skip
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        builder = import_attr("service.ray_app:build_app")
-        serve.run(call_user_app_builder_with_args_if_necessary(builder, args), name=APP)
-        yield f"http://127.0.0.1:{port}/v1", step_log
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with ray_serve_app(args, APP) as app:
+        yield app.v1, step_log
 
 
 def test_32_concurrent_streams_run_at_least_24_sequences_at_once(served):

@@ -21,8 +21,8 @@ from tests.service.servers import (
     Server,
     abandon_request,
     check_refused,
-    free_port,
     metric_sum,
+    ray_serve_app,
     send,
     wait_for,
 )
@@ -39,14 +39,18 @@ ARGS = {
     "min_replicas": 1,
     "max_replicas": 2,
     "target_ongoing_requests": 2,
-    # React within seconds (Serve's defaults are tuned for minutes) and never scale back down
-    # during the tests.
+    # Scale up at once and never back down during the tests. Serve wants the look-back period
+    # above its metrics interval field (10 s by default), which the variables below replace.
     "autoscaling_config": {
         "upscale_delay_s": 0,
         "downscale_delay_s": 600,
-        "metrics_interval_s": 0.5,
-        "look_back_period_s": 2,
+        "look_back_period_s": 12,
     },
+}
+# How often replicas and handles report their load to the autoscaler (Serve's default: 10 s).
+METRIC_PUSH_INTERVALS = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
 }
 
 
@@ -89,35 +93,18 @@ def streams_in_flight(server: Server, count: int) -> Iterator[None]:
 def ray_server() -> Iterator[RayServer]:
     """The application on a fresh local cluster, loaded until Serve has scaled it to 2 engine
     replicas: the autoscaling config at work."""
-    import ray
-    from ray import serve
-    from ray._common.utils import import_attr
-    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
-
-    metrics_port, http_port = free_port(), free_port()
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},  # default 10 s
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        # What `serve run` / `serve deploy` do with a config file's import_path and args.
-        builder = import_attr("service.ray_app:build_app")
-        serve.run(call_user_app_builder_with_args_if_necessary(builder, ARGS), name=APP)
-        server = RayServer(f"http://127.0.0.1:{http_port}", API_KEY,
-                           f"http://127.0.0.1:{metrics_port}/metrics")  # fmt: skip
-        assert engine_replicas_running() == 1  # min_replicas
-        with streams_in_flight(server, 4):  # 4 ongoing > target 2 per replica
-            wait_for(lambda: engine_status().status == "UPSCALING", timeout=60, interval=0.2)
-        assert engine_status().status_trigger == "AUTOSCALING"
-        wait_for(lambda: engine_replicas_running() == 2, timeout=180, interval=0.5)
-        yield server
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in METRIC_PUSH_INTERVALS.items():
+            env.setenv(name, value)  # the cluster's processes inherit them
+        with ray_serve_app(ARGS, APP, with_metrics=True) as app:
+            server = RayServer(app.v1.removesuffix("/v1"), API_KEY,
+                               f"http://{app.metrics_address}/metrics")  # fmt: skip
+            assert engine_replicas_running() == 1  # min_replicas
+            with streams_in_flight(server, 4):  # 4 ongoing > target 2 per replica
+                wait_for(lambda: engine_status().status == "UPSCALING", timeout=60, interval=0.2)
+            assert engine_status().status_trigger == "AUTOSCALING"
+            wait_for(lambda: engine_replicas_running() == 2, timeout=180, interval=0.5)
+            yield server
 
 
 @pytest.fixture(scope="module")
