@@ -13,7 +13,7 @@ process that sent it. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
 level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
-measured in-process. The clients run in processes of their own (`--processes`,
+measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine processes. The clients run in processes of their own (`--processes`,
 service/bench_clients.py), so that parsing the streams is not what limits the measurement.
 """
 
@@ -43,6 +43,7 @@ from service.bench_clients import (
 # The server's TTFT histogram (service/metrics.py): from when the API server has parsed a request
 # to its first token out of the engine.
 SERVER_TTFT_METRIC = "kvsparse_time_to_first_token_seconds"
+SERVER_GPU_MEMORY_METRIC = "kvsparse_gpu_memory_peak_bytes"
 
 
 @dataclass
@@ -66,6 +67,9 @@ class LevelResult:
     # when the server exposes no kvsparse metrics (another server, a wrong --metrics-url, Ray
     # mode: metrics are on Ray's port there).
     server_ttft_mean_s: float | None
+    # The highest peak GPU memory of the server's engine processes by the level's end (CUDA
+    # context included); None off CUDA or without kvsparse metrics.
+    server_gpu_memory_peak_gib: float | None
     # Closed loop: TTFT p50 of each round (the first arrives at once, later ones as requests
     # finish); empty in open loop.
     ttft_p50_by_round_s: list[float]
@@ -118,7 +122,9 @@ def summarize(
         tpot_p99_s=round(percentile(tpots, 99), 5),
         e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
         ttft_mean_s=round(sum(ttfts) / len(ttfts), 4) if ttfts else float("nan"),
-        server_ttft_mean_s=None,  # filled in by the caller, which reads the server's metrics
+        # Filled in by the caller, which reads the server's metrics.
+        server_ttft_mean_s=None,
+        server_gpu_memory_peak_gib=None,
         ttft_p50_by_round_s=[
             round(percentile([r.ttft_s for r in results if r.round == k], 50), 4)
             for k in range(rounds)
@@ -165,33 +171,49 @@ def num_processes(args: argparse.Namespace) -> int:
     return max(1, min(cores or 1, math.ceil(clients / CLIENTS_PER_PROCESS)))
 
 
-def parse_server_ttft(metrics_text: str) -> tuple[float, float] | None:
-    """(sum of seconds, count) of the server's TTFT histogram in Prometheus text, over every
-    label set; None if it is not there."""
+@dataclass
+class ServerReading:
+    """The server's metrics at one moment: its TTFT histogram's sum and count over every label
+    set, and the highest peak GPU memory of its engines (None where none is exported)."""
+
+    ttft_sum_s: float
+    ttft_count: float
+    gpu_memory_peak_bytes: float | None
+
+
+def parse_server_metrics(metrics_text: str) -> ServerReading | None:
+    """A ServerReading from Prometheus text; None without kvsparse's TTFT histogram."""
     totals: dict[str, float] = {}
+    peaks: list[float] = []
     for line in metrics_text.splitlines():
         if line.startswith("#") or not line.strip():
             continue
         # `name{labels} value` or `name value`; label values may hold spaces.
         head, brace, tail = line.rpartition("}")
         name = head.partition("{")[0] if brace else tail.split()[0]
+        value = float(tail.split()[0 if brace else 1])
         if name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
-            totals[name] = totals.get(name, 0.0) + float(tail.split()[0 if brace else 1])
+            totals[name] = totals.get(name, 0.0) + value
+        elif name == SERVER_GPU_MEMORY_METRIC:
+            peaks.append(value)
     if len(totals) < 2:
         return None
-    return totals[SERVER_TTFT_METRIC + "_sum"], totals[SERVER_TTFT_METRIC + "_count"]
+    return ServerReading(
+        totals[SERVER_TTFT_METRIC + "_sum"],
+        totals[SERVER_TTFT_METRIC + "_count"],
+        max(peaks, default=None),
+    )
 
 
 @dataclass
-class ServerTTFT:
-    """The server's TTFT histogram, read before and after a level from its metrics endpoint."""
+class ServerMetrics:
+    """The server's metrics endpoint, read before and after each level."""
 
     url: str
     headers: dict[str, str]
 
-    async def read(self) -> tuple[float, float] | None:
-        """(sum of seconds, count), or None when there is no such metric to read: a benchmark
-        goes on without it."""
+    async def read(self) -> ServerReading | None:
+        """None when there is no such metric to read: a benchmark goes on without it."""
         if not self.url:
             return None
         import httpx  # the bench extra's (openai's too): not imported by `kvsparse serve`
@@ -200,15 +222,21 @@ class ServerTTFT:
             async with httpx.AsyncClient(headers=self.headers, timeout=30) as http:
                 response = await http.get(self.url)
             response.raise_for_status()
-            return parse_server_ttft(response.text)
+            return parse_server_metrics(response.text)
         except (httpx.HTTPError, httpx.InvalidURL, ValueError, IndexError):
             return None
 
     @staticmethod
-    def mean(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
-        if before is None or after is None or after[1] <= before[1]:
-            return None
-        return round((after[0] - before[0]) / (after[1] - before[1]), 4)
+    def record(
+        level: LevelResult, before: ServerReading | None, after: ServerReading | None
+    ) -> None:
+        """The level's server-side figures: the mean TTFT of the requests between the two
+        readings, and the peak memory at the second."""
+        if before is not None and after is not None and after.ttft_count > before.ttft_count:
+            mean = (after.ttft_sum_s - before.ttft_sum_s) / (after.ttft_count - before.ttft_count)
+            level.server_ttft_mean_s = round(mean, 4)
+        if after is not None and after.gpu_memory_peak_bytes is not None:
+            level.server_gpu_memory_peak_gib = round(after.gpu_memory_peak_bytes / 2**30, 2)
 
 
 def default_metrics_url(base_url: str) -> str:
@@ -222,7 +250,7 @@ async def run(args: argparse.Namespace) -> dict:
         default_metrics_url(args.base_url) if args.metrics_url is None else args.metrics_url
     )
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server_ttft = ServerTTFT(metrics_url, headers)
+    server_metrics = ServerMetrics(metrics_url, headers)
     settings = ClientSettings(args.base_url, args.api_key or "none", args.model or "",
                               args.output_len, args.timeout)  # fmt: skip
     rng = random.Random(args.seed)
@@ -243,10 +271,10 @@ async def run(args: argparse.Namespace) -> dict:
     levels = []
     with ClientProcesses(num_processes(args), settings) as processes:
         for plan in plans:
-            before = await server_ttft.read()
+            before = await server_metrics.read()
             start_unix_s, done = await asyncio.to_thread(processes.run, plan.jobs)
             level = summarize(start_unix_s, done, plan.concurrency, plan.request_rate, plan.rounds)
-            level.server_ttft_mean_s = ServerTTFT.mean(before, await server_ttft.read())
+            ServerMetrics.record(level, before, await server_metrics.read())
             levels.append(level)
             summary = {k: v for k, v in asdict(level).items() if k != "request_results"}
             print(json.dumps(summary), file=sys.stderr, flush=True)
@@ -263,12 +291,14 @@ async def run(args: argparse.Namespace) -> dict:
 def table(report: dict) -> str:
     rows = [
         "| load | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
-        "| TTFT p50 per round | TTFT mean (server's) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 per round | TTFT mean (server's) | GPU memory peak (server's) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in report["levels"]:
         server = lv["server_ttft_mean_s"]
         server = "-" if server is None else f"{server:.3f} s"
+        memory = lv["server_gpu_memory_peak_gib"]
+        memory = "-" if memory is None else f"{memory:.2f} GiB"
         load = (
             f"{lv['concurrency']} clients"
             if lv["concurrency"] is not None
@@ -279,7 +309,7 @@ def table(report: dict) -> str:
             f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
             f"{lv['tpot_p50_s'] * 1000:.1f} ms | "
             f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s']) or '-'} | "
-            f"{lv['ttft_mean_s']:.3f} s ({server}) |"
+            f"{lv['ttft_mean_s']:.3f} s ({server}) | {memory} |"
         )
     return "\n".join(rows)
 

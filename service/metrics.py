@@ -55,6 +55,9 @@ DEFINITIONS = [
     MetricDef("histogram", "kvsparse_compression_ratio",
               "Prompt token-layers over kept token-layers, per finished request (1 = dense).",
               buckets=tuple(COMPRESSION_BUCKETS)),
+    MetricDef("gauge", "kvsparse_gpu_memory_peak_bytes",
+              "Peak GPU memory of the engine process since it started, CUDA context included "
+              "(rank 0's with tensor parallelism); absent off CUDA."),
     MetricDef("counter", "kvsparse_num_preemptions_total",
               "Sequences preempted for lack of KV memory (recomputed later)."),
     MetricDef("counter", "kvsparse_requests_finished_total",
@@ -187,6 +190,8 @@ class MetricsRecorder:
             labels = self._with(group=group)
             self._m["kvsparse_kv_blocks_used"].set(blocks["used"], labels)
             self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
+        if stats.gpu_memory_peak_bytes is not None:
+            self._m["kvsparse_gpu_memory_peak_bytes"].set(stats.gpu_memory_peak_bytes, self._labels)
         new = stats.num_preemptions - self._preemptions_seen
         if new > 0:
             self._m["kvsparse_num_preemptions_total"].inc(new, self._labels)

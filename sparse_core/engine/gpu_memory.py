@@ -10,6 +10,8 @@ GPU beyond torch's allocator is counted as this process's, which can only err on
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +53,26 @@ def peak_process_gpu_bytes(device: torch.device) -> int:
     """This process's peak on the GPU: torch's allocator at its peak (CUDA graph pools included)
     plus what it holds outside the allocator now."""
     return torch.cuda.max_memory_reserved(device) + gpu_memory_outside_torch(device)
+
+
+@dataclass
+class PeakGpuMemoryMeter:
+    """`peak_process_gpu_bytes` for an engine that reports its state every step: measured at
+    most once per `interval_s` (NVML's per-process query takes milliseconds), the last
+    measurement in between. None off CUDA."""
+
+    device: torch.device
+    interval_s: float = 1.0
+    _bytes: int | None = None
+    _measured_at: float = float("-inf")
+
+    def read(self) -> int | None:
+        if self.device.type != "cuda":
+            return None
+        now = time.monotonic()
+        if now - self._measured_at >= self.interval_s:
+            self._bytes, self._measured_at = peak_process_gpu_bytes(self.device), now
+        return self._bytes
 
 
 def limit_allocator(device: torch.device, max_bytes: int | None) -> None:

@@ -14,6 +14,7 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
 from sparse_core.engine.device import resolve_device
+from sparse_core.engine.gpu_memory import PeakGpuMemoryMeter
 from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.output_processor import OutputProcessor
@@ -49,6 +50,8 @@ class EngineStats:
     num_waiting: int
     num_preemptions: int
     kv_blocks: dict[str, dict[str, int]]  # group -> {"total", "used", "free"}
+    # This process's peak on the GPU since it started, CUDA context included; None off CUDA.
+    gpu_memory_peak_bytes: int | None = None
 
 
 class LLMEngine:
@@ -121,6 +124,7 @@ class LLMEngine:
         self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
+        self.gpu_memory = PeakGpuMemoryMeter(self.runner.device)
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
             source.config.name,
@@ -261,6 +265,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks=self.block_manager.usage(),
+            gpu_memory_peak_bytes=self.gpu_memory.read(),
         )
 
     def check_invariants(self) -> None:

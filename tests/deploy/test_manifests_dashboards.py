@@ -74,7 +74,7 @@ def test_dashboard_structure() -> None:
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for topic in ("prompt", "generation", "first token", "inter-token", "running", "kv usage",
-                  "compression", "preemption", "reason", "replicas"):  # fmt: skip
+                  "compression", "preemption", "reason", "replicas", "gpu memory"):  # fmt: skip
         assert topic in titles, topic
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]

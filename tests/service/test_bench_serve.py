@@ -16,10 +16,11 @@ import pytest
 
 from service.bench_clients import warm_up
 from service.bench_serve import (
+    ServerReading,
     add_arguments,
     default_metrics_url,
     num_processes,
-    parse_server_ttft,
+    parse_server_metrics,
     percentile,
 )
 from service.cli import main
@@ -82,6 +83,7 @@ def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
         assert level["e2e_p50_s"] >= level["ttft_p50_s"]
         # The server's TTFT histogram, read around the level: a part of each client's TTFT.
         assert 0 < level["server_ttft_mean_s"] <= level["ttft_mean_s"]
+        assert level["server_gpu_memory_peak_gib"] is None  # engines on a CPU report none
         rounds = level["ttft_p50_by_round_s"]
         assert len(rounds) == 2 and all(0 < t <= level["ttft_max_s"] for t in rounds)
         # Each client sends its next request only after the previous one finished.
@@ -231,7 +233,7 @@ def test_a_rate_that_is_not_positive_is_a_usage_error(capsys):
     assert "expected positive numbers, got '2,0'" in capsys.readouterr().err
 
 
-def test_server_ttft_is_summed_over_label_sets_from_prometheus_text():
+def test_server_metrics_are_summed_over_label_sets_from_prometheus_text():
     text = "\n".join([
         "# HELP kvsparse_time_to_first_token_seconds Time from request arrival ...",
         "# TYPE kvsparse_time_to_first_token_seconds histogram",
@@ -242,13 +244,16 @@ def test_server_ttft_is_summed_over_label_sets_from_prometheus_text():
         'kvsparse_time_to_first_token_seconds_count{model_name="c"} 3.0',
         "kvsparse_time_to_first_token_seconds_created 1.7e9",
         "kvsparse_num_requests_running 4.0",
+        'kvsparse_gpu_memory_peak_bytes{pool="a"} 2.5e10',
+        'kvsparse_gpu_memory_peak_bytes{pool="b"} 2.25e10',
     ])  # fmt: skip
-    assert parse_server_ttft(text) == (2.0, 5.0)
+    # TTFT summed, GPU memory the highest of the engines'.
+    assert parse_server_metrics(text) == ServerReading(2.0, 5.0, 2.5e10)
     unlabelled = "kvsparse_time_to_first_token_seconds_sum 0.25 1700000000\n" + (
         "kvsparse_time_to_first_token_seconds_count 1"
     )
-    assert parse_server_ttft(unlabelled) == (0.25, 1.0)
-    assert parse_server_ttft("vllm:time_to_first_token_seconds_sum 3.0\n") is None
+    assert parse_server_metrics(unlabelled) == ServerReading(0.25, 1.0, None)
+    assert parse_server_metrics("vllm:time_to_first_token_seconds_sum 3.0\n") is None
     assert default_metrics_url("http://host:8000/v1") == "http://host:8000/metrics"
 
 

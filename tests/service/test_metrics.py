@@ -6,9 +6,12 @@ import asyncio
 
 import httpx
 import openai
+import prometheus_client
 import pytest
 
+from service.metrics import Metrics
 from sparse_core import EngineConfig, SparsityConfig
+from sparse_core.engine.llm_engine import EngineStats
 from tests.service.servers import (
     MODEL,
     abandon_request,
@@ -69,6 +72,17 @@ def test_metrics_are_present_and_move_with_traffic(real_server):
         if metric_values(after, "kvsparse_kv_blocks_free", group=labels, pool="snapkv-64")
     }
     assert groups == {"full", "budget64"}
+
+
+def test_gpu_memory_peak_is_shown_as_the_engine_reports_it(real_server):
+    """The gauge carries what the engine's stats report, and is absent where they report none
+    (this CPU server; on CUDA tests/test_gpu_engine.py checks the reported value)."""
+    assert not metric_values(real_server.metrics(), "kvsparse_gpu_memory_peak_bytes")
+    registry = prometheus_client.CollectorRegistry()
+    recorder = Metrics.prometheus(registry).recorder(model_name=MODEL, pool="p")
+    recorder.engine_state(EngineStats(0, 0, 0, {}, gpu_memory_peak_bytes=3 * 2**30))
+    text = prometheus_client.generate_latest(registry).decode()
+    assert metric_values(text, "kvsparse_gpu_memory_peak_bytes", pool="p") == [3 * 2**30]
 
 
 def test_refused_requests_count_as_errors(real_server):
