@@ -13,6 +13,12 @@ Row kinds come from vLLM's host copies of the query starts and sequence lengths;
 group keeps the gap of every live request on the device, keyed by the request's first block; the
 decode tables are built on the device from the block table vLLM already put there; the few host
 values a step adds go over from page-locked memory without a sync.
+
+Decode-only steps run as one CUDA graph per batch size (vLLM captures them when the builder
+declares it, `_cudagraph_support`): a replay launches the kernels of the capture with the same
+arguments, so such a step's metadata has the capture's shape (every row of the padded batch a
+decode row, contexts bounded by max_model_len) and the tensors it reads are at fixed addresses:
+vLLM's own step buffers (block table, slot mapping) or this builder's (GraphDecodeBuffers).
 """
 
 from __future__ import annotations
@@ -20,7 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 
 from sparse_core.engine.transfers import to_device
 from sparse_core.vllm_plugin.decode_tables import context_slot_table
@@ -61,9 +71,29 @@ class KVSparseMetadata:
         return index_len(self.decode_tokens)
 
 
+@dataclass
+class GraphDecodeBuffers:
+    """What a decode step captured in a CUDA graph reads that vLLM does not keep at a fixed
+    address: the context lengths of up to max_num_seqs rows and, in a sparse group, their
+    context slot tables, max_model_len wide (a sparse group's context is never longer)."""
+
+    context_lens: torch.Tensor  # [rows] int32
+    slots: torch.Tensor | None  # [rows, max_model_len] int32; None for a full group
+
+    @classmethod
+    def allocate(cls, rows: int, max_len: int, sparse: bool, device) -> GraphDecodeBuffers:
+        slots = torch.zeros(rows, max_len, dtype=torch.int32, device=device) if sparse else None
+        return cls(torch.zeros(rows, dtype=torch.int32, device=device), slots)
+
+    @property
+    def rows(self) -> int:
+        return self.context_lens.shape[0]
+
+
 class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
     # vLLM puts requests of one new token first: decode and prompt tokens are then two slices.
     reorder_batch_threshold: int | None = 1
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -81,6 +111,22 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             if not num_blocks:
                 raise RuntimeError("kvsparse: vLLM built attention metadata before its KV cache")
             self.gap_by_first_block = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.graph_buffers: GraphDecodeBuffers | None = None
+        graph_mode = vllm_config.compilation_config.cudagraph_mode
+        if graph_mode is not None and graph_mode.has_full_cudagraphs():
+            self.graph_buffers = GraphDecodeBuffers.allocate(
+                vllm_config.scheduler_config.max_num_seqs,
+                self.max_model_len,
+                self.budget is not None,
+                device,
+            )
+
+    def build_for_cudagraph_capture(
+        self, common_attn_metadata: CommonAttentionMetadata
+    ) -> KVSparseMetadata:
+        # The capture's rows hold one token of a one-token sequence: they stand for decode rows.
+        return self._graph_decode(common_attn_metadata)
 
     def build(
         self,
@@ -92,8 +138,13 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         host_seq_lens = _host_seq_lens(cm)
         rows = step_rows(cm.query_start_loc_cpu[: cm.num_reqs + 1], host_seq_lens)
         block_table = cm.block_table_tensor[: cm.num_reqs]
-        slot_mapping = cm.slot_mapping[: cm.num_actual_tokens]
         lengths = [end - start for start, end in rows.prompt_bounds]
+        if self._fits_graph_buffers(cm):
+            # One new token a row. A one-token prompt (vLLM's warm-ups before a capture are made
+            # of them) is stored whole and attends to its own token, as a decode row does.
+            self._record_gaps(block_table, rows, lengths)
+            return self._graph_decode(cm)
+        slot_mapping = cm.slot_mapping[: cm.num_actual_tokens]
         packed_starts = [0]
         for n in lengths:
             packed_starts.append(packed_starts[-1] + n)
@@ -111,10 +162,7 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
                 start, end = rows.prompt_bounds[i]
                 store_slots[start:end] = -1
                 kept_slots.append(slot_mapping[start : start + self.budget])
-        if self.gap_by_first_block is not None and rows.num_prompts:
-            first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
-            gaps = [max(0, n - self.budget) for n in lengths]
-            self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
+        self._record_gaps(block_table, rows, lengths)
         table, page_size, context_lens, max_len = self._decode_tables(
             cm, block_table, rows, host_seq_lens
         )
@@ -132,6 +180,64 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             decode_page_size=page_size,
             decode_context_lens=context_lens,
             decode_max_len=max_len,
+        )
+
+    def _record_gaps(self, block_table: torch.Tensor, rows: StepRows, lengths: list[int]) -> None:
+        """Set the gap of each of the step's prompts (`lengths` long) in a sparse group."""
+        if self.gap_by_first_block is None or not rows.num_prompts:
+            return
+        first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
+        gaps = [max(0, n - self.budget) for n in lengths]
+        self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
+
+    def _fits_graph_buffers(self, cm: CommonAttentionMetadata) -> bool:
+        """A step of one new token per row (padded rows included) that the graph buffers hold:
+        the shape vLLM replays as a captured graph."""
+        buffers = self.graph_buffers
+        return (
+            buffers is not None
+            and cm.max_query_len <= 1
+            and cm.num_actual_tokens == cm.num_reqs <= buffers.rows
+        )
+
+    def _graph_decode(self, cm: CommonAttentionMetadata) -> KVSparseMetadata:
+        """A step of one new token per row with every row as a decode row, padded ones included
+        (vLLM gives them sequence length 0, slot -1 and the null block: they read and write
+        nothing), and contexts bounded by max_model_len, in the graph buffers."""
+        buffers = self.graph_buffers
+        assert buffers is not None
+        num_rows = cm.num_reqs
+        block_table = cm.block_table_tensor[:num_rows]
+        seq_lens = cm.seq_lens[:num_rows]
+        context_lens = buffers.context_lens[:num_rows]
+        table, page_size = block_table, self.block_size
+        if self.gap_by_first_block is None:
+            context_lens.copy_(seq_lens)
+        else:
+            assert buffers.slots is not None and self.budget is not None
+            gaps = self.gap_by_first_block[block_table[:, 0].long()]
+            table, page_size = buffers.slots[:num_rows], 1
+            table.copy_(
+                context_slot_table(
+                    block_table, self.block_size, self.budget, gaps, self.max_model_len
+                )
+            )
+            torch.sub(seq_lens, gaps, out=context_lens)
+        slot_mapping = cm.slot_mapping[:num_rows]
+        return KVSparseMetadata(
+            num_actual_tokens=num_rows,
+            budget=self.budget,
+            store_slots=slot_mapping.long(),  # vLLM's are int64 already: no copy
+            prefill_tokens=slice(0, 0),
+            prefill_cu_seqlens=cm.query_start_loc[:1],
+            prefill_max_len=0,
+            compress_bounds=[],
+            kept_slots=slot_mapping[:0].long(),
+            decode_tokens=slice(0, num_rows),
+            decode_table=table,
+            decode_page_size=page_size,
+            decode_context_lens=context_lens,
+            decode_max_len=self.max_model_len,
         )
 
     def _decode_tables(
