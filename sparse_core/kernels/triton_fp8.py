@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from sparse_core.kernels.gpu_info import has_large_shared_memory
 from sparse_core.kernels.launcher import launch
 
 # Inputs of at most FEW_ROWS_MAX rows take the weight-streaming Triton matmul, up to
@@ -138,8 +139,7 @@ def _few_rows_tiles(
         return 16, 16, 32, 4, 1
     block_m = max(16, min(128, triton.next_power_of_2(rows)))
     block_n, block_k, most_stages = (128, 128, 4) if out_features >= 16384 else (64, 256, 6)
-    large_smem = torch.cuda.get_device_properties(device).major in (9, 10)
-    smem = (_LARGE_SMEM if large_smem else _SMALL_SMEM) - _EPILOGUE_SMEM
+    smem = (_LARGE_SMEM if has_large_shared_memory(device) else _SMALL_SMEM) - _EPILOGUE_SMEM
     stages = min(most_stages, smem // ((block_n + block_m) * block_k))  # one e4m3 byte each
     return block_n, block_m, block_k, 4, max(1, stages)
 

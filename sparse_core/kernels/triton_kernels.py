@@ -36,6 +36,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 import sparse_core.kernels.reference as reference
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
+from sparse_core.kernels.gpu_info import gpu_properties, has_large_shared_memory
 from sparse_core.kernels.launcher import launch
 
 if triton.knobs.runtime.interpret:
@@ -65,7 +66,7 @@ def early_launch(x: torch.Tensor) -> dict[str, bool]:
     latency is what this hides. Off elsewhere: older NVIDIA GPUs, ROCm, the interpreter."""
     if not x.is_cuda:
         return {"PDL": False}
-    pdl = torch.version.hip is None and _gpu(x.device).major >= 9
+    pdl = torch.version.hip is None and gpu_properties(x.device).major >= 9
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
@@ -232,13 +233,6 @@ def _prefill_kernel(
     tl.store(lse_ptr + head * stride_lh + start + rows, lse, mask=row_ok)
 
 
-@functools.cache
-def _gpu(device: torch.device):
-    """The GPU's properties (compute capability, SM count), looked up once per device: the
-    kernels' host wrappers ask on every call, and an eager step makes hundreds."""
-    return torch.cuda.get_device_properties(device)
-
-
 def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel.
 
@@ -258,7 +252,7 @@ def _prefill_tiles(k: torch.Tensor, tma: bool) -> tuple[int, int, int, int]:
     if head_dim <= 64:
         return 128, 64, 4, 3
     if head_dim <= 128:
-        large_smem = _gpu(k.device).major in (9, 10)
+        large_smem = has_large_shared_memory(k.device)
         if tma and not wide_tma and large_smem:
             return 128, 128, 8, 3
         return 128, 64, 8, 2 if wide_tma else 3
@@ -270,7 +264,7 @@ def _tma_supported(device: torch.device) -> bool:
     which runs the same kernel."""
     if device.type != "cuda":
         return True
-    return torch.version.hip is None and _gpu(device).major >= 9
+    return torch.version.hip is None and gpu_properties(device).major >= 9
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -780,7 +774,7 @@ _FP8_MAX_SPLITS_ABOVE_SMS = 4
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: any small number exercises the split path
-    return _gpu(device).multi_processor_count
+    return gpu_properties(device).multi_processor_count
 
 
 def decode_num_splits(

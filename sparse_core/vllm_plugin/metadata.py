@@ -113,13 +113,10 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             self.gap_by_first_block = torch.zeros(num_blocks, dtype=torch.int32, device=device)
         self.max_model_len = vllm_config.model_config.max_model_len
         self.graph_buffers: GraphDecodeBuffers | None = None
-        graph_mode = vllm_config.compilation_config.cudagraph_mode
-        if graph_mode is not None and graph_mode.has_full_cudagraphs():
+        if rows := _graph_decode_rows(vllm_config):
+            sparse = self.budget is not None
             self.graph_buffers = GraphDecodeBuffers.allocate(
-                vllm_config.scheduler_config.max_num_seqs,
-                self.max_model_len,
-                self.budget is not None,
-                device,
+                rows, self.max_model_len, sparse, device
             )
 
     def build_for_cudagraph_capture(
@@ -260,6 +257,17 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
 
     def _on_device(self, index: Index) -> Index:
         return index if isinstance(index, slice) else to_device(index, torch.long, self.device)
+
+
+def _graph_decode_rows(vllm_config) -> int:
+    """The most rows of a decode step that vLLM replays as a full CUDA graph; 0 without full
+    graphs. Larger decode batches are not captured: they take the per-step metadata."""
+    compilation = vllm_config.compilation_config
+    mode = compilation.cudagraph_mode
+    if mode is None or not mode.has_full_cudagraphs():
+        return 0
+    rows = vllm_config.scheduler_config.max_num_seqs
+    return min(rows, compilation.max_cudagraph_capture_size or rows)
 
 
 def _host_seq_lens(cm: CommonAttentionMetadata) -> torch.Tensor:

@@ -36,12 +36,13 @@ TABLES = torch.tensor([[5, 9, 2, 7, 11, 13, 0, 0], [3, 8, 0, 0, 0, 0, 0, 0]], dt
 STEP_TABLES = torch.cat([TABLES, torch.zeros(MAX_SEQS - len(PROMPTS), TABLES.shape[1])]).int()
 
 
-def _builder(spec, graphs: bool = True) -> KVSparseMetadataBuilder:
+def _builder(spec, graphs: bool = True, capture_size: int | None = None) -> KVSparseMetadataBuilder:
     mode = CUDAGraphMode.FULL_AND_PIECEWISE if graphs else CUDAGraphMode.NONE
+    compilation = SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=capture_size)
     config = SimpleNamespace(
         cache_config=SimpleNamespace(num_gpu_blocks=NUM_BLOCKS),
         model_config=SimpleNamespace(max_model_len=MAX_LEN),
-        compilation_config=SimpleNamespace(cudagraph_mode=mode),
+        compilation_config=compilation,
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
         speculative_config=None,
@@ -135,3 +136,12 @@ def test_capture_and_its_warm_ups_are_decode_steps() -> None:
     assert warm_up.num_prefill_tokens == 0 and warm_up.decode_tokens == slice(0, 4)
     assert warm_up.decode_context_lens.tolist() == [1] * 4
     assert warm_up.decode_table[:, 0].tolist() == [_slot(0, 0)] * 4
+
+
+def test_batches_larger_than_vllm_captures_take_the_per_step_metadata() -> None:
+    builder = _builder(BudgetAttentionSpec(**SPEC, budget=BUDGET), capture_size=3)
+    assert builder.graph_buffers is not None and builder.graph_buffers.rows == 3
+    builder.build(0, _prompt_step())
+    assert builder.build(0, _decode_step(1, padded_rows=1)).decode_max_len == MAX_LEN
+    per_step = builder.build(0, _decode_step(1, padded_rows=2))
+    assert per_step.decode_max_len == max(PROMPTS) + 1
