@@ -3,9 +3,10 @@
     python -m service.replica_load --metrics-url http://127.0.0.1:8080/metrics --output F.json
 
 Polls the Prometheus text of a Ray node until interrupted (SIGINT), then writes and prints, per
-engine replica: requests finished meanwhile, the most requests running and waiting at once, and
-the highest KV use of its fullest layer group. Samples where one replica ran nothing while
-another had requests waiting are counted: the KV-capacity router should leave none.
+engine replica: requests finished meanwhile, the most requests running and waiting at once, the
+highest KV use of its fullest layer group, and its engine process's peak GPU memory (on a GPU).
+Samples where one replica ran nothing while another had requests waiting are counted: the
+KV-capacity router should leave none.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ def summarize(samples: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     per_replica = {}
     for r in replicas:
         seen = [s[r] for s in samples if r in s]
+        memory = [v["gpu_memory_peak_bytes"] for v in seen if "gpu_memory_peak_bytes" in v]
         per_replica[r] = {
             "requests_finished": seen[-1].get(finished, 0) - seen[0].get(finished, 0),
             "max_running": max(v.get("num_requests_running", 0) for v in seen),
             "max_waiting": max(v.get("num_requests_waiting", 0) for v in seen),
             "max_kv_used_fraction": round(max(v.get("kv_used_fraction", 0) for v in seen), 3),
+            "gpu_memory_peak_gib": round(max(memory) / 2**30, 2) if memory else None,
         }
     idle_while_queued = sum(
         1
