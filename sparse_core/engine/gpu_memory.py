@@ -9,6 +9,8 @@ GPU beyond torch's allocator is counted as this process's, which can only err on
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -55,16 +57,31 @@ def peak_process_gpu_bytes(device: torch.device) -> int:
     return torch.cuda.max_memory_reserved(device) + gpu_memory_outside_torch(device)
 
 
+@functools.cache
+def _hold_nvml() -> None:
+    """Keep NVML initialised for the life of the process, so that each later query's
+    nvmlInit / nvmlShutdown pair only counts references instead of attaching to the driver
+    again."""
+    with contextlib.suppress(Exception):  # no NVML: queries fall back, as they would anyway
+        import pynvml
+
+        pynvml.nvmlInit()
+
+
 @dataclass
 class PeakGpuMemoryMeter:
     """`peak_process_gpu_bytes` for an engine that reports its state every step: measured at
-    most once per `interval_s` (NVML's per-process query takes milliseconds), the last
-    measurement in between. None off CUDA."""
+    most once per `interval_s` (the allocator's statistics and NVML's per-process query are
+    not free), the last measurement in between. None off CUDA."""
 
     device: torch.device
     interval_s: float = 1.0
     _bytes: int | None = None
     _measured_at: float = float("-inf")
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            _hold_nvml()
 
     def read(self) -> int | None:
         if self.device.type != "cuda":
