@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
 from sparse_core.engine.transfers import to_device
 from sparse_core.vllm_plugin.decode_tables import context_slot_table
@@ -101,16 +102,7 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             kv_cache_spec.budget if isinstance(kv_cache_spec, BudgetAttentionSpec) else None
         )
         self.block_size = kv_cache_spec.block_size
-        # Positions [budget, prompt length) that a live request's compacted prompt never stored,
-        # keyed by its first block in this group (a block belongs to one request at a time, and
-        # the first block is never freed); 0 for prompts stored whole. Every prompt sets its
-        # entry in the step that runs it. vLLM's common metadata carries no prompt lengths.
-        self.gap_by_first_block: torch.Tensor | None = None
-        if self.budget is not None:
-            num_blocks = vllm_config.cache_config.num_gpu_blocks
-            if not num_blocks:
-                raise RuntimeError("kvsparse: vLLM built attention metadata before its KV cache")
-            self.gap_by_first_block = torch.zeros(num_blocks, dtype=torch.int32, device=device)
+        self._gap_by_first_block: torch.Tensor | None = None  # see gaps()
         self.max_model_len = vllm_config.model_config.max_model_len
         self.graph_buffers: GraphDecodeBuffers | None = None
         if rows := _graph_decode_rows(vllm_config):
@@ -119,11 +111,29 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
                 rows, self.max_model_len, sparse, device
             )
 
+    def gaps(self) -> torch.Tensor:
+        """A sparse group's record, on the device, of the positions [budget, prompt length) that
+        each live request's compacted prompt never stored, keyed by the request's first block
+        in this group (a block belongs to one request at a time, and the first block is never
+        freed); 0 for prompts stored whole, and for vLLM's null block, which padded and dummy
+        rows point to. Every prompt sets its entry in the step that runs it: vLLM's common
+        metadata carries no prompt lengths. Made on first use: vLLM creates builders before it
+        sets the number of blocks when it profiles its CUDA graphs' memory."""
+        if self._gap_by_first_block is None:
+            num_blocks = self.vllm_config.cache_config.num_gpu_blocks
+            if not num_blocks:
+                raise RuntimeError("kvsparse: vLLM built attention metadata before its KV cache")
+            self._gap_by_first_block = torch.zeros(
+                num_blocks, dtype=torch.int32, device=self.device
+            )
+        return self._gap_by_first_block
+
     def build_for_cudagraph_capture(
         self, common_attn_metadata: CommonAttentionMetadata
     ) -> KVSparseMetadata:
         # The capture's rows hold one token of a one-token sequence: they stand for decode rows.
-        return self._graph_decode(common_attn_metadata)
+        cm = common_attn_metadata
+        return self._graph_decode(cm, _host_seq_lens(cm))
 
     def build(
         self,
@@ -140,7 +150,7 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             # One new token a row. A one-token prompt (vLLM's warm-ups before a capture are made
             # of them) is stored whole and attends to its own token, as a decode row does.
             self._record_gaps(block_table, rows, lengths)
-            return self._graph_decode(cm)
+            return self._graph_decode(cm, host_seq_lens)
         slot_mapping = cm.slot_mapping[: cm.num_actual_tokens]
         packed_starts = [0]
         for n in lengths:
@@ -181,11 +191,13 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
 
     def _record_gaps(self, block_table: torch.Tensor, rows: StepRows, lengths: list[int]) -> None:
         """Set the gap of each of the step's prompts (`lengths` long) in a sparse group."""
-        if self.gap_by_first_block is None or not rows.num_prompts:
+        if self.budget is None or not rows.num_prompts:
             return
         first_blocks = block_table[self._on_device(rows.prompt_rows), 0]
         gaps = [max(0, n - self.budget) for n in lengths]
-        self.gap_by_first_block[first_blocks] = to_device(gaps, torch.int32, self.device)
+        record = self.gaps()
+        record[first_blocks] = to_device(gaps, torch.int32, self.device)
+        record[NULL_BLOCK_ID] = 0  # if a dummy run's prompt pointed there
 
     def _fits_graph_buffers(self, cm: CommonAttentionMetadata) -> bool:
         """A step of one new token per row (padded rows included) that the graph buffers hold:
@@ -197,10 +209,14 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             and cm.num_actual_tokens == cm.num_reqs <= buffers.rows
         )
 
-    def _graph_decode(self, cm: CommonAttentionMetadata) -> KVSparseMetadata:
+    def _graph_decode(
+        self, cm: CommonAttentionMetadata, host_seq_lens: torch.Tensor
+    ) -> KVSparseMetadata:
         """A step of one new token per row with every row as a decode row, padded ones included
         (vLLM gives them sequence length 0, slot -1 and the null block: they read and write
-        nothing), and contexts bounded by max_model_len, in the graph buffers."""
+        nothing), and contexts bounded by max_model_len, in the graph buffers. A sparse group's
+        slot tables are filled as far as this step's longest sequence (`host_seq_lens`): decode
+        reads no further."""
         buffers = self.graph_buffers
         assert buffers is not None
         num_rows = cm.num_reqs
@@ -208,16 +224,15 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         seq_lens = cm.seq_lens[:num_rows]
         context_lens = buffers.context_lens[:num_rows]
         table, page_size = block_table, self.block_size
-        if self.gap_by_first_block is None:
+        if self.budget is None:
             context_lens.copy_(seq_lens)
         else:
-            assert buffers.slots is not None and self.budget is not None
-            gaps = self.gap_by_first_block[block_table[:, 0].long()]
+            assert buffers.slots is not None
+            gaps = self.gaps()[block_table[:, 0].long()]
             table, page_size = buffers.slots[:num_rows], 1
-            table.copy_(
-                context_slot_table(
-                    block_table, self.block_size, self.budget, gaps, self.max_model_len
-                )
+            width = int(host_seq_lens.max()) if num_rows else 0
+            table[:, :width].copy_(
+                context_slot_table(block_table, self.block_size, self.budget, gaps, width)
             )
             torch.sub(seq_lens, gaps, out=context_lens)
         slot_mapping = cm.slot_mapping[:num_rows]
@@ -249,9 +264,9 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         rows_table = block_table[decode_rows]
         seq_lens = cm.seq_lens[: cm.num_reqs][decode_rows].to(torch.int32)
         max_len = int(host_seq_lens[rows.decode_rows].max()) if rows.num_decodes else 0
-        if self.gap_by_first_block is None or not rows.num_decodes:
+        if self.budget is None or not rows.num_decodes:
             return rows_table, self.block_size, seq_lens, max_len
-        gaps = self.gap_by_first_block[rows_table[:, 0].long()]
+        gaps = self.gaps()[rows_table[:, 0].long()]
         table = context_slot_table(rows_table, self.block_size, self.budget, gaps, max_len)
         return table, 1, (seq_lens - gaps).to(torch.int32), max_len
 

@@ -36,11 +36,13 @@ TABLES = torch.tensor([[5, 9, 2, 7, 11, 13, 0, 0], [3, 8, 0, 0, 0, 0, 0, 0]], dt
 STEP_TABLES = torch.cat([TABLES, torch.zeros(MAX_SEQS - len(PROMPTS), TABLES.shape[1])]).int()
 
 
-def _builder(spec, graphs: bool = True, capture_size: int | None = None) -> KVSparseMetadataBuilder:
+def _builder(
+    spec, graphs: bool = True, capture_size: int | None = None, num_blocks: int | None = NUM_BLOCKS
+) -> KVSparseMetadataBuilder:
     mode = CUDAGraphMode.FULL_AND_PIECEWISE if graphs else CUDAGraphMode.NONE
     compilation = SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=capture_size)
     config = SimpleNamespace(
-        cache_config=SimpleNamespace(num_gpu_blocks=NUM_BLOCKS),
+        cache_config=SimpleNamespace(num_gpu_blocks=num_blocks),
         model_config=SimpleNamespace(max_model_len=MAX_LEN),
         compilation_config=compilation,
         scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS),
@@ -145,3 +147,24 @@ def test_batches_larger_than_vllm_captures_take_the_per_step_metadata() -> None:
     assert builder.build(0, _decode_step(1, padded_rows=1)).decode_max_len == MAX_LEN
     per_step = builder.build(0, _decode_step(1, padded_rows=2))
     assert per_step.decode_max_len == max(PROMPTS) + 1
+
+
+def test_a_dummy_prompt_on_the_null_block_leaves_padded_rows_empty() -> None:
+    """vLLM's dummy runs point their rows at the null block 0, which padded rows read too."""
+    builder = _builder(BudgetAttentionSpec(**SPEC, budget=BUDGET))
+    null_row = torch.zeros_like(TABLES[:1])
+    builder.build(0, _step([30], [30], null_row, [-1] * 30))  # 30 > budget: a gap of 18
+    builder.build(0, _prompt_step())
+    graph = builder.build(0, _decode_step(1, padded_rows=2))
+    assert graph.decode_context_lens.tolist() == [BUDGET + 1, PROMPTS[1] + 1, 0, 0]
+
+
+def test_builders_made_before_vllm_sizes_the_cache_wait_for_it() -> None:
+    """vLLM creates the builders of its CUDA-graph memory profile before it sets
+    num_gpu_blocks; the gap record is made when a step first needs it."""
+    builder = _builder(BudgetAttentionSpec(**SPEC, budget=BUDGET), num_blocks=None)
+    with pytest.raises(RuntimeError, match="before its KV cache"):
+        builder.build(0, _prompt_step())
+    builder.vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    builder.build(0, _prompt_step())
+    assert builder.gaps().shape == (NUM_BLOCKS,)
