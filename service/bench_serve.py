@@ -13,7 +13,8 @@ process that sent it. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
 level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
-measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine processes. The clients run in processes of their own (`--processes`,
+measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine
+processes. The clients run in processes of their own (`--processes`,
 service/bench_clients.py), so that parsing the streams is not what limits the measurement.
 """
 

@@ -75,8 +75,9 @@ class KVSparseMetadata:
 @dataclass
 class GraphDecodeBuffers:
     """What a decode step captured in a CUDA graph reads that vLLM does not keep at a fixed
-    address: the context lengths of up to max_num_seqs rows and, in a sparse group, their
-    context slot tables, max_model_len wide (a sparse group's context is never longer)."""
+    address: the context lengths of up to vLLM's largest captured batch of rows and, in a sparse
+    group, their context slot tables, max_model_len wide (a sparse group's context is never
+    longer)."""
 
     context_lens: torch.Tensor  # [rows] int32
     slots: torch.Tensor | None  # [rows, max_model_len] int32; None for a full group
@@ -228,13 +229,11 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
             context_lens.copy_(seq_lens)
         else:
             assert buffers.slots is not None
-            gaps = self.gaps()[block_table[:, 0].long()]
             table, page_size = buffers.slots[:num_rows], 1
             width = int(host_seq_lens.max()) if num_rows else 0
-            table[:, :width].copy_(
-                context_slot_table(block_table, self.block_size, self.budget, gaps, width)
-            )
-            torch.sub(seq_lens, gaps, out=context_lens)
+            slots, lens = self._sparse_contexts(block_table, seq_lens, width)
+            table[:, :width].copy_(slots)
+            context_lens.copy_(lens)
         slot_mapping = cm.slot_mapping[:num_rows]
         return KVSparseMetadata(
             num_actual_tokens=num_rows,
@@ -266,9 +265,18 @@ class KVSparseMetadataBuilder(AttentionMetadataBuilder[KVSparseMetadata]):
         max_len = int(host_seq_lens[rows.decode_rows].max()) if rows.num_decodes else 0
         if self.budget is None or not rows.num_decodes:
             return rows_table, self.block_size, seq_lens, max_len
-        gaps = self.gaps()[rows_table[:, 0].long()]
-        table = context_slot_table(rows_table, self.block_size, self.budget, gaps, max_len)
-        return table, 1, (seq_lens - gaps).to(torch.int32), max_len
+        table, context_lens = self._sparse_contexts(rows_table, seq_lens, max_len)
+        return table, 1, context_lens, max_len
+
+    def _sparse_contexts(
+        self, block_table: torch.Tensor, seq_lens: torch.Tensor, max_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a sparse group, the slot tables [R, max_len] and int32 context lengths [R] of
+        decode rows with these block tables and sequence lengths: each row's context skips the
+        gap that its request's first block records."""
+        gaps = self.gaps()[block_table[:, 0].long()]
+        table = context_slot_table(block_table, self.block_size, self.budget, gaps, max_len)
+        return table, (seq_lens - gaps).to(torch.int32)
 
     def _on_device(self, index: Index) -> Index:
         return index if isinstance(index, slice) else to_device(index, torch.long, self.device)
