@@ -18,7 +18,7 @@
 #   serve-snapkv   `kvsparse serve` (24 GB cap) + `kvsparse bench serve` sweep 1/5/10/20/40
 #   serve-dense    the same with the dense policy
 #   serve-vllm-plugin  the same sweep against `kvsparse serve --engine vllm` (stock vLLM with the
-#                  plugin, snapkv, gpu_memory_utilization 0.17: 24 GB of an H200); needs vLLM
+#                  plugin, snapkv, gpu_memory_utilization $GMU); needs vLLM
 #                  importable
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
 #                  run $CHART_CONFIG, rendered beforehand by `serve_chart.py render`) + the same
@@ -41,8 +41,10 @@
 #                  plugin's engine only, e.g. "--plugin-arg enforce_eager=true"; both engines
 #                  use vLLM's CUDA graphs by default)
 #
-# dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out), and the
-# serve steps' engine step timelines in $OUT/<step>.steps.jsonl (--step-log). Run from
+# dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out): each
+# step's GPU memory peak, its processes together (sparse_core.bench.gpu_watch), in
+# $OUT/<step>.gpu_memory.json, and the serve steps' engine step timelines in
+# $OUT/<step>.steps.jsonl (--step-log). Run from
 # the repository root on a machine with torch + triton (+ transformers for `hf`). The serve steps
 # need the serving extra (fastapi, uvicorn) and the openai client. The vLLM steps need stock vLLM
 # importable and $VLLM_PEER pointing at the directory of its peer scripts (bench.py, sweep.py).
@@ -60,6 +62,8 @@ TOKEN_RANGE=${TOKEN_RANGE:-100:30000}
 LOAD_ARGS=${LOAD_ARGS:-}  # more `kvsparse bench serve` flags for the serve steps, e.g. --processes 1
 RATES=${RATES:-1,2,3}
 NUM_REQUESTS=${NUM_REQUESTS:-30}
+# vLLM's gpu_memory_utilization for the 24 GB cap: 0.17 of an H200 (0.30 of an H100 80GB).
+GMU=${GMU:-0.17}
 mkdir -p "$OUT"
 
 step_tests() {
@@ -149,7 +153,7 @@ serve_sweep() {
 step_serve-snapkv() { serve_sweep snapkv serve_snapkv --concurrency "$CONCURRENCY"; }
 step_serve-dense() { serve_sweep dense serve_dense --concurrency "$CONCURRENCY"; }
 step_serve-vllm-plugin() {
-    SERVE_ARGS="--engine vllm --gpu-memory-utilization 0.17 --max-model-len 4608 --max-num-seqs 64" \
+    SERVE_ARGS="--engine vllm --gpu-memory-utilization $GMU --max-model-len 4608 --max-num-seqs 64" \
         serve_sweep snapkv serve_vllm_plugin --concurrency "$CONCURRENCY"
 }
 step_serve-chart() {
@@ -196,9 +200,10 @@ step_hf() {
     python3 -m sparse_core.bench.hf_generate --batch-size 32 | tee "$OUT/hf_generate.json"
 }
 
-# Stock vLLM under the same 24 GB (gpu_memory_utilization 0.17 of an H200), the same prompts count.
+# Stock vLLM under the same 24 GB (gpu_memory_utilization $GMU), the same prompts count.
 step_vllm-cap24() {
-    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" 2>&1 | tee "$OUT/vllm_cap24.log" \
+    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" --gmu-a "$GMU" 2>&1 \
+        | tee "$OUT/vllm_cap24.log" \
         | tail -1 >"$OUT/vllm_cap24.json"
     cat "$OUT/vllm_cap24.json"
     step_vllm-sweep
@@ -206,13 +211,13 @@ step_vllm-cap24() {
 
 step_vllm-sweep() {
     # Its engine logs its shutdown after the JSON line.
-    LEVELS=$CONCURRENCY GMU=0.17 python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
+    LEVELS=$CONCURRENCY GMU=$GMU python3 "$VLLM_PEER/sweep.py" 2>&1 | tee "$OUT/vllm_sweep.log" \
         | grep '^{"vllm_ttft_sweep"' >"$OUT/vllm_sweep.json"
     cat "$OUT/vllm_sweep.json"
 }
 
 step_vllm-fp8() {
-    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" --kv-cache-dtype fp8 \
+    python3 "$VLLM_PEER/bench.py" --only a --pa "$NUM_PROMPTS" --gmu-a "$GMU" --kv-cache-dtype fp8 \
         --quantization fp8 2>&1 | tee "$OUT/vllm_cap24_fp8.log" | tail -1 >"$OUT/vllm_cap24_fp8.json"
     cat "$OUT/vllm_cap24_fp8.json"
 }
@@ -220,6 +225,7 @@ step_vllm-fp8() {
 step_vllm-plugin() {
     # shellcheck disable=SC2086  # PLUGIN_ARGS is a list of flags
     python3 -m sparse_core.bench.vllm_plugin --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
+        --gpu-memory-utilization "$GMU" \
         --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         ${PLUGIN_ARGS:-} --json "$OUT/vllm_plugin.json" \
         2>"$OUT/vllm_plugin.log"
@@ -237,6 +243,11 @@ steps=("$@")
 for step in "${steps[@]}"; do
     echo "== $step ($(date -u +%H:%M:%S))"
     start=$SECONDS
+    # The most GPU memory the step's processes hold at once, CUDA contexts included.
+    python3 -m sparse_core.bench.gpu_watch --json "$OUT/$step.gpu_memory.json" &
+    watch=$!
     "step_$step" || echo "!! step $step failed"
+    kill -INT "$watch" 2>/dev/null
+    wait "$watch"
     echo "== $step took $((SECONDS - start)) s"
 done

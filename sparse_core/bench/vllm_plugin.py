@@ -12,7 +12,8 @@ first request to the last token, the median time of a step that started no reque
 decodes only, as the engine's loop sees it), vLLM's KV cache in blocks (with the plugin, vLLM
 lays layers out as several KV cache groups, and each block holds block_size tokens of one
 group's layers, so blocks are not tokens of the whole model), the most sequences running at
-once, vLLM's free blocks then, and preemptions. The defaults are the GPU benchmarks' shape
+once, vLLM's free blocks then, preemptions, and on a GPU the most device memory the engine's
+processes held at once (`gpu_watch`, CUDA contexts and graph pools included). The defaults are the GPU benchmarks' shape
 (docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of an H200, as in stock
 vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
 """
@@ -20,6 +21,7 @@ vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -30,6 +32,7 @@ import tempfile
 import time
 from typing import Any
 
+from sparse_core.bench.gpu_watch import DeviceMemoryWatch, nvml_available
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.config import SparsityConfig
 from sparse_core.models.loader import load_model_source
@@ -132,15 +135,21 @@ def describe(sparsity: SparsityConfig) -> str:
 
 
 def run_in_child(engine: str, argv: list[str]) -> dict[str, Any]:
-    """`run_engine` for `engine` in a child process; its result, or why it failed."""
+    """`run_engine` for `engine` in a child process; its result, or why it failed. On a GPU
+    that NVML sees, with the most device memory the child's processes held at once."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "sparse_core.bench.vllm_plugin", *argv]
-        proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False)
+        watch = DeviceMemoryWatch() if nvml_available() else contextlib.nullcontext()
+        with watch:
+            proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False)
         if proc.returncode != 0:
             return {"engine": engine, "error": f"exited with status {proc.returncode}"}
         with open(out) as f:
-            return json.load(f)
+            result = json.load(f)
+    if isinstance(watch, DeviceMemoryWatch):
+        result["gpu_memory_peak_gib"] = watch.report()["gpu_memory_peak_gib"]
+    return result
 
 
 def without_json(argv: list[str]) -> list[str]:
@@ -159,17 +168,18 @@ def without_json(argv: list[str]) -> list[str]:
 def print_table(results: list[dict[str, Any]]) -> None:
     print(
         "| engine | output tok/s | KV blocks | most running | free blocks then | preemptions "
-        "| decode step, median |"
+        "| decode step, median | GPU memory peak |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['engine']} | {r['error']} | | | | | |")
+            print(f"| {r['engine']} | {r['error']} | | | | | | |")
             continue
+        peak = r.get("gpu_memory_peak_gib")
         print(
             f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_blocks']:,} | "
             f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} "
-            f"| {r['decode_step_ms_median']} ms |"
+            f"| {r['decode_step_ms_median']} ms | {'' if peak is None else f'{peak} GiB'} |"
         )
 
 
