@@ -184,19 +184,16 @@ class ServerReading:
 
 def parse_server_metrics(metrics_text: str) -> ServerReading | None:
     """A ServerReading from Prometheus text; None without kvsparse's TTFT histogram."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     totals: dict[str, float] = {}
     peaks: list[float] = []
-    for line in metrics_text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        # `name{labels} value` or `name value`; label values may hold spaces.
-        head, brace, tail = line.rpartition("}")
-        name = head.partition("{")[0] if brace else tail.split()[0]
-        value = float(tail.split()[0 if brace else 1])
-        if name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
-            totals[name] = totals.get(name, 0.0) + value
-        elif name == SERVER_GPU_MEMORY_METRIC:
-            peaks.append(value)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            if sample.name in (SERVER_TTFT_METRIC + "_sum", SERVER_TTFT_METRIC + "_count"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            elif sample.name == SERVER_GPU_MEMORY_METRIC:
+                peaks.append(sample.value)
     if len(totals) < 2:
         return None
     return ServerReading(
