@@ -78,6 +78,10 @@ class VllmAsyncLLM:
         }
         if config.dtype is not None:
             args["dtype"] = config.dtype
+        if config.quantization is not None:  # vLLM's own FP8 weights (the same flag)
+            args["quantization"] = config.quantization
+        if config.kv_cache_dtype != "auto":  # the plugin's FP8 KV cache
+            args["kv_cache_dtype"] = config.kv_cache_dtype
         if config.kv_cache_memory_gb is not None:
             args["kv_cache_memory_bytes"] = int(config.kv_cache_memory_gb * 2**30)
         args |= dummy_model_args(config.model)

@@ -5,6 +5,10 @@ prompt from its observation window, keeps `budget` tokens per KV head (the engin
 policy, sparse_core/selection.py, one per worker process) and stores only those, compacted into
 positions [0, budget). The kernels are the engine's (plain torch on CPU, Triton on CUDA), run on
 strided views of vLLM's cache (decode_tables.py).
+
+With `kv_cache_dtype="fp8"` (vLLM's flag) the cache holds e4m3 with vLLM's per-layer K and V
+scales (1.0 unless the checkpoint brings calibrated ones), written and read by the same kernels
+as the engine's FP8 KV cache; prefill attention and scoring stay on the step's activations.
 """
 
 from __future__ import annotations
@@ -16,11 +20,15 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionImpl, Attention
 
 from sparse_core.config import SparsityConfig
 from sparse_core.kernels import KernelOps, get_ops
+from sparse_core.kernels.fp8 import FP8_DTYPE, UNIT_SCALES, KVScales
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 from sparse_core.vllm_plugin.compat import BACKEND_NAME, TokenMajorKVCache
 from sparse_core.vllm_plugin.decode_tables import pages_of, split_kv_cache
 from sparse_core.vllm_plugin.metadata import KVSparseMetadata, KVSparseMetadataBuilder
 from sparse_core.vllm_plugin.settings import current_settings
+
+# vLLM's names of an e4m3 cache (its "fp8" means e4m3 on NVIDIA GPUs and CPUs).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 class KVSparseAttentionBackend(TokenMajorKVCache, AttentionBackend):
@@ -28,7 +36,7 @@ class KVSparseAttentionBackend(TokenMajorKVCache, AttentionBackend):
     # k|v], the engine's pool layout, so its kernels take views of it.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
@@ -89,6 +97,8 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
+        # vLLM allocates an FP8 cache as bytes; the kernels read it as e4m3.
+        self.fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.kv_sharing_target_layer_name = None
         settings = current_settings()
         self.sparsity = settings.sparsity if settings else SparsityConfig()
@@ -117,8 +127,12 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         n = m.num_actual_tokens
         q, k, v = query[:n], key[:n], value[:n]
         out = output[:n]
+        scales = UNIT_SCALES
+        if self.fp8_cache:
+            kv_cache = kv_cache.view(FP8_DTYPE)
+            scales = KVScales(layer._k_scale_float, layer._v_scale_float)
         k_cache, v_cache = split_kv_cache(kv_cache, self.head_size)
-        ops.store_kv(k, v, k_cache, v_cache, m.store_slots)
+        ops.store_kv(k, v, k_cache, v_cache, m.store_slots, scales)
         if m.num_prefill_tokens:
             rows = m.prefill_tokens
             qp, kp, vp = q[rows], k[rows], v[rows]
@@ -130,7 +144,7 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
                 assert self.selection is not None and m.budget is not None
                 prompts = PromptBatch.from_bounds(m.compress_bounds, query.device)
                 kept = self.selection.select(qp, kp, lse, prompts, m.budget, self.scale)
-                ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots)
+                ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots, scales)
         if m.num_decodes:
             rows = m.decode_tokens
             # Decode rows in one range (vLLM's usual order) are written in place.
@@ -144,6 +158,7 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
                 self.scale,
                 m.decode_max_len,
                 out=out[rows] if in_place else None,
+                kv_scales=scales,
             )
             if not in_place:
                 out[rows] = decode_out.to(out.dtype)

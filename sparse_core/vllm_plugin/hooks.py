@@ -3,7 +3,7 @@
 - the platform's `get_attn_backend_cls`: our backend for decoder attention (on CPU vLLM would
   otherwise always pick its own);
 - the platform's `check_and_update_config`: whole prompts per step (no chunked prefill) and no
-  prefix caching, which compaction needs;
+  prefix caching, which compaction needs, and a KV cache dtype the backend stores;
 - the platform's `register_custom_kv_cache_specs`, vLLM's seam for custom specs: our spec and
   manager go into its KV-cache spec registry;
 - `Attention.get_kv_cache_spec`: the layer-to-spec mapping. vLLM asks each attention layer for its
@@ -72,7 +72,17 @@ def _update_config(original, vllm_config, *args, **kwargs) -> Any:
     settings = settings_from_vllm_config(vllm_config)
     if settings is None or vllm_config.model_config is None:
         return result
+    from sparse_core.vllm_plugin.attention import KVSparseAttentionBackend
+
     scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    supported = KVSparseAttentionBackend.supported_kv_cache_dtypes
+    if cache.cache_dtype not in supported:
+        raise ValueError(
+            f"kvsparse: kv_cache_dtype {cache.cache_dtype!r} is not supported with sparse layers; "
+            f"use one of {', '.join(supported)}"
+        )
+    if getattr(cache, "calculate_kv_scales", False):  # vLLM 0.24's, deprecated there
+        raise ValueError("kvsparse: calculate_kv_scales is not supported with sparse layers")
     if scheduler.enable_chunked_prefill or cache.enable_prefix_caching:
         logger.info("kvsparse: chunked prefill and prefix caching are off (whole prompts)")
     scheduler.enable_chunked_prefill = False

@@ -13,6 +13,7 @@ class Run:
     free_blocks: dict[tuple[int, ...], int]
     groups: list[tuple[str, int | None, int]]  # (spec type, budget, layers) per KV cache group
     backends: set[str]  # attention implementations the worker's layers run
+    num_gpu_blocks: int  # vLLM's KV cache, in blocks
 
 
 def _worker_layout(worker) -> tuple[list, set]:
@@ -47,4 +48,5 @@ def run_steps(llm, prompts: list[list[int]], max_tokens: int) -> Run:
     # The answer crosses a process boundary as lists: back to tuples and a set.
     groups, backends = llm.collective_rpc(_worker_layout)[0]
     ids = [outputs[str(i)] for i in range(len(prompts))]
-    return Run(ids, free, [tuple(g) for g in groups], set(backends))
+    blocks = int(vllm_metrics(llm)["vllm:cache_config_info"].labels["num_gpu_blocks"])
+    return Run(ids, free, [tuple(g) for g in groups], set(backends), blocks)

@@ -35,8 +35,9 @@ def prompts(model_source) -> list[list[int]]:
     return short + long
 
 
-def _run(sparsity: SparsityConfig | None, prompts: list[list[int]]) -> Run:
-    with vllm_llm(MODEL, sparsity, max_model_len=MAX_MODEL_LEN, **ENGINE_ARGS) as llm:
+def _run(sparsity: SparsityConfig | None, prompts: list[list[int]], **engine_args) -> Run:
+    args = {**ENGINE_ARGS, **engine_args}
+    with vllm_llm(MODEL, sparsity, max_model_len=MAX_MODEL_LEN, **args) as llm:
         return run_steps(llm, prompts, MAX_TOKENS)
 
 
@@ -99,7 +100,9 @@ def test_sparse_groups_free_the_dropped_blocks_while_decoding(prompts, roomy, sp
     assert highest[1] - highest[0] == sparse_groups * freed_per_group
 
 
-def _native(sparsity: SparsityConfig, prompts: list[list[int]]) -> list[list[int]]:
+def _native(
+    sparsity: SparsityConfig, prompts: list[list[int]], kv_cache_dtype: str = "auto"
+) -> list[list[int]]:
     native = LLM(
         model=MODEL,
         sparsity=sparsity,
@@ -108,6 +111,7 @@ def _native(sparsity: SparsityConfig, prompts: list[list[int]]) -> list[list[int
         max_model_len=MAX_MODEL_LEN,
         enforce_eager=True,
         kv_cache_memory_gb=0.25,
+        kv_cache_dtype=kv_cache_dtype,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in native.generate(prompts, params)]
@@ -120,6 +124,24 @@ def test_sparse_outputs_match_the_native_engine(prompts, stock, sparse):
     # ...and short prompts, within the budget, decode exactly as dense.
     assert sparse.token_ids[:2] == stock.token_ids[:2]
     assert sparse.token_ids == expected
+
+
+def test_fp8_kv_cache_matches_the_native_engines(prompts, sparse):
+    """vLLM's `kv_cache_dtype="fp8"`: every group's cache in e4m3 (a byte per value), written
+    and read by the native engine's FP8 KV kernels at vLLM's scales of 1.0."""
+    fp8 = _run(SPARSE, prompts, kv_cache_dtype="fp8")
+    assert fp8.backends == {"KVSparseAttentionImpl"}
+    assert [g[:2] for g in fp8.groups] == [g[:2] for g in sparse.groups]
+    # The same KV memory holds four times the float32 cache's blocks (to vLLM's rounding).
+    assert fp8.num_gpu_blocks // sparse.num_gpu_blocks == 4
+    # A cache read or written as anything but e4m3 at these scales would not give the native
+    # engine's tokens. (On these prompts e4m3's rounding changes none of float32's.)
+    assert fp8.token_ids == _native(SPARSE, prompts, kv_cache_dtype="fp8")
+
+
+def test_an_fp8_kv_cache_of_another_format_is_refused_at_start_up(prompts):
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8_e5m2' is not supported"):
+        _run(SPARSE, prompts[:1], kv_cache_dtype="fp8_e5m2")
 
 
 @pytest.mark.parametrize(

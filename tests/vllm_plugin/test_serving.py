@@ -30,8 +30,9 @@ ENGINE = EngineConfig(
 MAX_TOKENS = 16
 
 
-def test_completions_through_vllm_match_the_native_engine(model_source):
-    prompt = TaskBuilder(model_source.tokenizer, seed=0).build("passkey", 500, 1)[0].prompt_ids
+def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
+    """One completion through `kvsparse serve --engine vllm`, checked against the native
+    engine's text with the same KV cache dtype; vLLM's free KV blocks on the server's gauge."""
     native = LLM(
         model=MODEL,
         sparsity=SPARSE,
@@ -40,6 +41,7 @@ def test_completions_through_vllm_match_the_native_engine(model_source):
         max_model_len=1024,
         enforce_eager=True,
         kv_cache_memory_gb=0.25,
+        kv_cache_dtype=kv_cache_dtype,
     )
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     expected = native.generate([prompt], params)[0]
@@ -47,7 +49,8 @@ def test_completions_through_vllm_match_the_native_engine(model_source):
     settings = ServerSettings(
         served_model_name=MODEL, max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
     )
-    app = build_standalone_app(ENGINE, [SPARSE], settings, engine="vllm")
+    engine = dataclasses.replace(ENGINE, kv_cache_dtype=kv_cache_dtype)
+    app = build_standalone_app(engine, [SPARSE], settings, engine="vllm")
     with run_server(app, None) as server:
         body = {
             "model": MODEL,
@@ -65,6 +68,16 @@ def test_completions_through_vllm_match_the_native_engine(model_source):
     # vLLM's block count, through its stat logger, on the server's own gauge.
     free = re.search(r'kvsparse_kv_blocks_free\{[^}]*group="vllm"[^}]*\} ([0-9.e+]+)', metrics)
     assert free is not None and float(free[1]) > 0, metrics
+    return float(free[1])
+
+
+def test_completions_through_vllm_match_the_native_engine(model_source):
+    """In float32 and with `--kv-cache-dtype fp8`, which the server passes on to vLLM: its KV
+    memory then holds four times the blocks."""
+    prompt = TaskBuilder(model_source.tokenizer, seed=0).build("passkey", 500, 1)[0].prompt_ids
+    free_float32 = _serve_one(prompt, "auto")
+    free_fp8 = _serve_one(prompt, "fp8")
+    assert free_fp8 // free_float32 == 4
 
 
 def test_a_random_weight_model_serves_through_vllm():
