@@ -40,6 +40,8 @@
 #                  (python -m sparse_core.bench.vllm_plugin; $PLUGIN_ARGS: its flags for the
 #                  plugin's engine only, e.g. "--plugin-arg enforce_eager=true"; both engines
 #                  use vLLM's CUDA graphs by default)
+#   vllm-plugin-fp8 the same with FP8 weights and an FP8 KV cache in both engines
+#                  (quantization=fp8, kv_cache_dtype=fp8): vLLM fp8/fp8 beside the plugin fp8/fp8
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out): each
 # step's GPU memory peak, its processes together (sparse_core.bench.gpu_watch), in
@@ -222,13 +224,19 @@ step_vllm-fp8() {
     cat "$OUT/vllm_cap24_fp8.json"
 }
 
-step_vllm-plugin() {
+# vllm_plugin_bench NAME FLAGS...: stock vLLM and the plugin, offline; the report is $OUT/NAME.json.
+vllm_plugin_bench() {
+    local name=$1
+    shift
     # shellcheck disable=SC2086  # PLUGIN_ARGS is a list of flags
     python3 -m sparse_core.bench.vllm_plugin --model "$MODEL" --num-prompts "$NUM_PROMPTS" \
-        --gpu-memory-utilization "$GMU" \
-        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
-        ${PLUGIN_ARGS:-} --json "$OUT/vllm_plugin.json" \
-        2>"$OUT/vllm_plugin.log"
+        --gpu-memory-utilization "$GMU" --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+        "$@" ${PLUGIN_ARGS:-} --json "$OUT/$name.json" 2>"$OUT/$name.log"
+}
+
+step_vllm-plugin() { vllm_plugin_bench vllm_plugin; }
+step_vllm-plugin-fp8() {
+    vllm_plugin_bench vllm_plugin_fp8 --engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8
 }
 
 step_vllm-uncapped() {
