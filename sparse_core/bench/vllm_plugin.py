@@ -13,9 +13,9 @@ decodes only, as the engine's loop sees it), vLLM's KV cache in blocks (with the
 lays layers out as several KV cache groups, and each block holds block_size tokens of one
 group's layers, so blocks are not tokens of the whole model), the most sequences running at
 once, vLLM's free blocks then, preemptions, and on a GPU the most device memory the engine's
-processes held at once (`gpu_watch`, CUDA contexts and graph pools included). The defaults are the GPU benchmarks' shape
-(docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of an H200, as in stock
-vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
+processes held at once (`gpu_watch`, CUDA contexts and graph pools included). The defaults are
+the GPU benchmarks' shape (docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of
+an H200, as in stock vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
 """
 
 from __future__ import annotations
@@ -140,14 +140,14 @@ def run_in_child(engine: str, argv: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "sparse_core.bench.vllm_plugin", *argv]
-        watch = DeviceMemoryWatch() if nvml_available() else contextlib.nullcontext()
-        with watch:
+        watch = DeviceMemoryWatch() if nvml_available() else None
+        with watch or contextlib.nullcontext():
             proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False)
         if proc.returncode != 0:
             return {"engine": engine, "error": f"exited with status {proc.returncode}"}
         with open(out) as f:
             result = json.load(f)
-    if isinstance(watch, DeviceMemoryWatch):
+    if watch is not None:
         result["gpu_memory_peak_gib"] = watch.report()["gpu_memory_peak_gib"]
     return result
 
