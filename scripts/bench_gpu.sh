@@ -20,6 +20,8 @@
 #   serve-vllm-plugin  the same sweep against `kvsparse serve --engine vllm` (stock vLLM with the
 #                  plugin, snapkv, gpu_memory_utilization $GMU); needs vLLM
 #                  importable
+#   serve-vllm-plugin-fp8 the same with FP8 weights and an FP8 KV cache (--quantization fp8
+#                  --kv-cache-dtype fp8)
 #   serve-chart    the Ray Serve application as the Helm chart deploys it (scripts/serve_chart.py
 #                  run $CHART_CONFIG, rendered beforehand by `serve_chart.py render`) + the same
 #                  sweep; per-replica load from Ray's metrics in $OUT/serve_chart.replicas.json
@@ -154,9 +156,16 @@ serve_sweep() {
 
 step_serve-snapkv() { serve_sweep snapkv serve_snapkv --concurrency "$CONCURRENCY"; }
 step_serve-dense() { serve_sweep dense serve_dense --concurrency "$CONCURRENCY"; }
-step_serve-vllm-plugin() {
-    SERVE_ARGS="--engine vllm --gpu-memory-utilization $GMU --max-model-len 4608 --max-num-seqs 64" \
-        serve_sweep snapkv serve_vllm_plugin --concurrency "$CONCURRENCY"
+# serve_vllm_plugin NAME [SERVE FLAGS...]: the sweep against `kvsparse serve --engine vllm`.
+serve_vllm_plugin() {
+    local name=$1
+    shift
+    SERVE_ARGS="--engine vllm --gpu-memory-utilization $GMU --max-model-len 4608 --max-num-seqs 64 $*" \
+        serve_sweep snapkv "$name" --concurrency "$CONCURRENCY"
+}
+step_serve-vllm-plugin() { serve_vllm_plugin serve_vllm_plugin; }
+step_serve-vllm-plugin-fp8() {
+    serve_vllm_plugin serve_vllm_plugin_fp8 --quantization fp8 --kv-cache-dtype fp8
 }
 step_serve-chart() {
     CHART_CONFIG=${CHART_CONFIG:?render it first: scripts/serve_chart.py render DIR --set ...} \
