@@ -4,7 +4,8 @@ with vLLM's own KV accounting while the sequences run.
     python -m sparse_core.bench.vllm_plugin [--engines stock,plugin] [--model dummy:llama3-8b]
         [--gpu-memory-utilization 0.17] [--num-prompts 128] [--input-len 4000]
         [--output-len 500] [--policy snapkv --budget 512 --full-layers 3]
-        [--engine-arg KEY=VALUE ...] [--plugin-arg KEY=VALUE ...] [--json OUT.json]
+        [--engine-arg KEY=VALUE ...] [--plugin-arg KEY=VALUE ...] [--engine-in-process]
+        [--json OUT.json]
 
 Each engine runs in a process of its own (vLLM picks its attention backend once per process), on
 the same random prompts (token ids), greedy, `ignore_eos`. Per engine: output tokens/s from the
@@ -16,6 +17,12 @@ once, vLLM's free blocks then, preemptions, and on a GPU the most device memory 
 processes held at once (`gpu_watch`, CUDA contexts and graph pools included). The defaults are
 the GPU benchmarks' shape (docs/benchmarks.md, "Setup"): gpu_memory_utilization 0.17 is 24 GB of
 an H200, as in stock vLLM's own benchmark there. Needs vLLM importable (docs/vllm_plugin.md).
+
+`--engine-in-process` runs vLLM's engine core inside each engine's process instead of a process
+of its own (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), so that on a GPU the run also reports torch's
+peak allocated and reserved memory: the difference is what the caching allocator held beyond
+the tensors alive at once. The host side is slower that way; use it to see where memory goes,
+not for speed.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import tempfile
 import time
 from typing import Any
 
-from sparse_core.bench.gpu_watch import DeviceMemoryWatch, nvml_available
+from sparse_core.bench.gpu_watch import GIB, DeviceMemoryWatch, nvml_available
 from sparse_core.bench.workload import random_prompt, sparsity_for
 from sparse_core.config import SparsityConfig
 from sparse_core.models.loader import load_model_source
@@ -125,6 +132,20 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "most_running": most_running,
         "free_blocks_at_most_running": free_then,
         "preemptions": int(metrics["vllm:num_preemptions"].value),
+        **(torch_memory_peaks() if args.engine_in_process else {}),
+    }
+
+
+def torch_memory_peaks() -> dict[str, float]:
+    """torch's peak allocated and reserved device memory in this process, on a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {
+        "torch_allocated_peak_gib": round(stats["allocated_bytes.all.peak"] / GIB, 2),
+        "torch_reserved_peak_gib": round(stats["reserved_bytes.all.peak"] / GIB, 2),
     }
 
 
@@ -134,15 +155,17 @@ def describe(sparsity: SparsityConfig) -> str:
     return f"{sparsity.policy}, budget {sparsity.budget}, {sparsity.full_layers} layers whole"
 
 
-def run_in_child(engine: str, argv: list[str]) -> dict[str, Any]:
+def run_in_child(engine: str, argv: list[str], in_process: bool) -> dict[str, Any]:
     """`run_engine` for `engine` in a child process; its result, or why it failed. On a GPU
-    that NVML sees, with the most device memory the child's processes held at once."""
+    that NVML sees, with the most device memory the child's processes held at once.
+    `in_process`: vLLM's engine core runs in the child itself."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if in_process else None
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "sparse_core.bench.vllm_plugin", *argv]
         watch = DeviceMemoryWatch() if nvml_available() else None
         with watch or contextlib.nullcontext():
-            proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False)
+            proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False, env=env)
         if proc.returncode != 0:
             return {"engine": engine, "error": f"exited with status {proc.returncode}"}
         with open(out) as f:
@@ -176,10 +199,16 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print(f"| {r['engine']} | {r['error']} | | | | | | |")
             continue
         peak = r.get("gpu_memory_peak_gib")
+        memory = "" if peak is None else f"{peak} GiB"
+        if "torch_reserved_peak_gib" in r:
+            memory += (
+                f" (torch: {r['torch_allocated_peak_gib']} allocated, "
+                f"{r['torch_reserved_peak_gib']} reserved)"
+            )
         print(
             f"| {r['engine']} | {r['output_tok_per_s']:,.0f} | {r['kv_blocks']:,} | "
             f"{r['most_running']} | {r['free_blocks_at_most_running']} | {r['preemptions']} "
-            f"| {r['decode_step_ms_median']} ms | {'' if peak is None else f'{peak} GiB'} |"
+            f"| {r['decode_step_ms_median']} ms | {memory} |"
         )
 
 
@@ -212,6 +241,12 @@ def parser() -> argparse.ArgumentParser:
         default=[],
         help="a vLLM engine argument for the plugin's engine only, KEY=VALUE",
     )
+    p.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="vLLM's engine core in each engine's process: torch's peak allocated and reserved "
+        "memory reported too (on a GPU); slower host side",
+    )
     p.add_argument("--json", default=None, help="write the results here")
     return p
 
@@ -229,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not engines:
         print(f"--engines takes {' and/or '.join(ENGINES)}, got {args.engines!r}", file=sys.stderr)
         return 2
-    results = [run_in_child(engine, without_json(argv)) for engine in engines]
+    results = [
+        run_in_child(engine, without_json(argv), args.engine_in_process) for engine in engines
+    ]
     print_table(results)
     if args.json:
         with open(args.json, "w") as f:

@@ -37,6 +37,21 @@ def test_the_plugin_frees_the_dropped_blocks_of_every_running_sequence(tmp_path)
     assert plugin["free_blocks_at_most_running"] - stock["free_blocks_at_most_running"] == gap
 
 
+def test_engine_cores_in_process_give_the_same_run(tmp_path):
+    """--engine-in-process (vLLM's engine core inside each engine's process, for torch's memory
+    figures on a GPU) runs both engines to the same tokens; off a GPU it adds no memory figures."""
+    out = tmp_path / "bench.json"
+    args = ["--model", MODEL, "--num-prompts", "1", "--input-len", str(INPUT_LEN),
+            "--output-len", "8", "--budget", str(BUDGET), "--full-layers", "0",
+            "--gpu-memory-utilization", "0.5", "--engine-arg", f"block_size={BLOCK}",
+            "--engine-arg", "dtype=float32", "--engine-arg", "enforce_eager=true",
+            "--engine-in-process", "--json", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    for run in json.loads(out.read_text())["results"]:
+        assert run["output_tokens"] == 8
+        assert "torch_reserved_peak_gib" not in run
+
+
 def test_bad_arguments_are_refused():
     assert bench.main(["--engines", "stock,nope"]) == 2
     with pytest.raises(SystemExit):
