@@ -150,7 +150,11 @@ serve_sweep() {
     kill -9 "$server" 2>/dev/null
     wait "$server" 2>/dev/null
     # The chart's Ray cluster outlives a killed driver: stop it, or the next server finds its port.
-    [ -z "${CHART_CONFIG:-}" ] || ray stop --force >/dev/null 2>&1
+    # Serve's HAProxy (RAY_SERVE_ENABLE_HA_PROXY=1) outlives `ray stop` and keeps the port too.
+    if [ -n "${CHART_CONFIG:-}" ]; then
+        ray stop --force >/dev/null 2>&1
+        pkill -f "haproxy -db -f /tmp/haproxy-serve" 2>/dev/null
+    fi
     return $status
 }
 
