@@ -12,20 +12,21 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from service.drain import Drain, shutting_down
 from service.errors import APIError, overloaded
 from service.messages import GenerateRequest
 from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from service.responses import ChatFormat, Choice, CompletionFormat
-from service.settings import ServerSettings
+from service.settings import BODY_BYTES_OUTSIDE_BUDGET, ServerSettings
 from service.streams import Backend, close_all, merge, open_streams
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,38 @@ class Admission:
 
     def release(self, count: int) -> None:
         self.inflight -= count
+
+
+class BodyBudget:
+    """Bytes that request bodies still being received hold together, beyond each one's first
+    `BODY_BYTES_OUTSIDE_BUDGET`: past `limit`, the request that asks for more gets 503."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[Callable[[int], None]]:
+        """`hold(n)`: the body read so far has n bytes (raises APIError 503 past the budget);
+        released when the block ends."""
+        mine = 0
+
+        def hold(num_bytes: int) -> None:
+            nonlocal mine
+            wanted = max(num_bytes - BODY_BYTES_OUTSIDE_BUDGET, 0)
+            if self.held - mine + wanted > self.limit:
+                raise overloaded(
+                    f"request bodies being received hold {self.held} bytes (limit "
+                    f"{self.limit}); retry later",
+                    status=503,
+                )
+            self.held += wanted - mine
+            mine = wanted
+
+        try:
+            yield hold
+        finally:
+            self.held -= mine
 
 
 class _ClosingStreamingResponse(StreamingResponse):
@@ -121,7 +154,17 @@ def build_app(
         if not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
+    body_budget = BodyBudget(settings.max_buffered_body_bytes)
+
     async def read_body(request: Request) -> bytes:
+        """The body of a JSON request, within `max_request_bytes` and the time and memory
+        limits (415, 413, 408, 503)."""
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":
+            # A browser sends a cross-origin form or text/plain POST without asking first: only
+            # a JSON content type, which it must ask for, reaches the engines.
+            raise APIError(415, f"Content-Type must be application/json, got "
+                           f"{media_type or 'none'!r}", code="unsupported_media_type")  # fmt: skip
         limit = settings.max_request_bytes
         too_large = APIError(413, f"request body is larger than {limit} bytes",
                              code="request_too_large")  # fmt: skip
@@ -131,14 +174,19 @@ def build_app(
         body = bytearray()
         timeout = settings.timeout_request_body_s
         try:
-            async with asyncio.timeout(timeout):
-                async for part in request.stream():
-                    body += part
-                    if len(body) > limit:
-                        raise too_large
+            with body_budget.holding() as hold:
+                async with asyncio.timeout(timeout):
+                    async for part in request.stream():
+                        body += part
+                        if len(body) > limit:
+                            raise too_large
+                        hold(len(body))
         except TimeoutError:
             raise APIError(408, f"request body not received within {timeout} s",
                            code="request_timeout") from None  # fmt: skip
+        except ClientDisconnect:
+            logger.debug("client %s went away while sending its body", request.client)
+            raise APIError(499, "client closed the request", code="client_closed_request") from None
         return bytes(body)
 
     async def generate(

@@ -1,12 +1,11 @@
-"""uvicorn as a production server runs it: every phase of a request bounded in time, a graceful
-shutdown with a bound, a second signal that exits at once, and an access log without query
-strings (where API keys and other secrets travel).
+"""uvicorn as a production server runs it: every phase of a request bounded in time and size, a
+graceful shutdown with a bound, a second signal that exits at once, and an access log without
+query strings (where API keys and other secrets travel).
 
-- Request headers must arrive within `timeout_request_header` of the connection (or of the
-  request's first byte on a kept-alive connection), else 408 and the connection is closed: an
-  idle or trickling connection holds nothing for long. uvicorn closes idle kept-alive
-  connections after `timeout_keep_alive`; the app bounds reading the body
-  (`ServerSettings.timeout_request_body_s`).
+- Before the app sees a request, `ConnectionLimits` bound what a client can hold: connections,
+  the bytes and fields of a request's head, and the time its headers take. uvicorn closes idle
+  kept-alive connections after `timeout_keep_alive`; the app bounds reading the body (its size,
+  time, and the bytes all bodies being read hold together: `ServerSettings`).
 - When an engine dies, the server exits (status 1), as vLLM's does, for its supervisor to
   restart it; `/health` answers 503 meanwhile, and requests in flight end with an error.
 - On SIGTERM or SIGINT, uvicorn stops accepting and waits for the requests in flight; at
@@ -23,6 +22,8 @@ import logging
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
 from types import FrameType
 from typing import Any
 
@@ -41,42 +42,100 @@ FORCED_EXIT_STATUS = 1
 FAILED_EXIT_STATUS = 1  # an engine died
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What a client can make the server hold before the app sees a request. uvicorn bounds none
+    of it with httptools (its h11 parser bounds the head, but answers 400), and its
+    `limit_concurrency` answers 503 in plain text after reading a request; these are answered in
+    the API's error format, with Retry-After where a retry may succeed, and the connection
+    closes."""
+
+    # Headers complete within this of the connection, or of a kept-alive request's first byte
+    # (else 408): an idle or trickling connection holds nothing for long.
+    timeout_request_header: float = 10.0
+    # The request line and headers together (else 431), and the number of header fields.
+    limit_request_header_bytes: int = 64 * 2**10
+    limit_request_fields: int = 100
+    # Open connections; one more is answered 503 as it opens (None: no bound).
+    limit_connections: int | None = 1024
+
+
 class ServerConfig(uvicorn.Config):
-    """uvicorn's configuration, with a bound on receiving a request's headers."""
+    """uvicorn's configuration, with `limits` on what a connection may hold."""
 
-    def __init__(self, app: Any, timeout_request_header: float = 10.0, **kwargs: Any) -> None:
+    def __init__(self, app: Any, limits: ConnectionLimits | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("log_config", access_log_without_queries())
-        super().__init__(app, http=TimedHttpToolsProtocol, **kwargs)
-        self.timeout_request_header = timeout_request_header
+        super().__init__(app, http=BoundedHttpToolsProtocol, **kwargs)
+        self.limits = limits or ConnectionLimits()
 
 
-class TimedHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol, closing a connection whose headers do not arrive in time."""
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol within `ConnectionLimits`: a connection beyond the limit, a
+    head too large or with too many fields, or headers that do not arrive in time are answered
+    with an error and the connection closes."""
 
     def __init__(self, config: ServerConfig, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
-        self._header_timeout = config.timeout_request_header
+        self._limits = config.limits
         self._header_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # received since the current head began
+        self._num_fields = 0
+        self._refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        limit = self._limits.limit_connections
+        if limit is not None and len(self.connections) > limit:
+            self._refuse(APIError(503, f"the server has {limit} connections open (its limit); "
+                                  "retry later", code="server_overloaded", retry_after=1))  # fmt: skip
+            return
         self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._header_timer is not None:  # still within a head: all of it counts
+            self._head_bytes += len(data)
+            if self._head_bytes > self._limits.limit_request_header_bytes:
+                self._refuse_head(f"request line and headers exceed "
+                                  f"{self._limits.limit_request_header_bytes} bytes")  # fmt: skip
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_bytes = self._num_fields = 0
         self._arm_header_timer()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
+        self._num_fields += 1
+        if self._num_fields > self._limits.limit_request_fields:
+            self._refuse_head(f"more than {self._limits.limit_request_fields} header fields")
+            return
+        super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
-        super().on_headers_complete()
+        if not self._refused:
+            super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:
-        if self._header_timer is None:
-            self._header_timer = self.loop.call_later(self._header_timeout, self._headers_late)
+        if self._header_timer is None and not self._refused:
+            timeout = self._limits.timeout_request_header
+            self._header_timer = self.loop.call_later(timeout, self._headers_late)
 
     def _disarm_header_timer(self) -> None:
         if self._header_timer is not None:
@@ -85,14 +144,26 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def _headers_late(self) -> None:
         self._header_timer = None
+        timeout = self._limits.timeout_request_header
+        self._refuse(APIError(408, f"request headers not received within {timeout} s",
+                              code="request_timeout"))  # fmt: skip
+
+    def _refuse_head(self, why: str) -> None:
+        self._refuse(APIError(431, f"request header fields too large: {why}",
+                              code="request_header_fields_too_large"))  # fmt: skip
+
+    def _refuse(self, error: APIError) -> None:
+        """Answer `error` and close, whatever the connection was doing (no app runs for it)."""
+        self._refused = True
+        self._disarm_header_timer()
         if self.transport.is_closing():
             return
-        error = APIError(408, f"request headers not received within {self._header_timeout} s",
-                         code="request_timeout")  # fmt: skip
-        body = error.response().body
-        head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
-        self.transport.write(head.encode() + body)
+        response = error.response()
+        head = [f"HTTP/1.1 {error.status} {HTTPStatus(error.status).phrase}",
+                "content-type: application/json", f"content-length: {len(response.body)}",
+                "connection: close"]  # fmt: skip
+        head += [f"{k}: {v}" for k, v in response.headers.items() if k == "retry-after"]
+        self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + response.body)
         self.transport.close()
 
 

@@ -87,7 +87,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # vLLM's extensions, which load generators (ours included) rely on.
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=-1)  # -1 or 0: off, as in vLLM
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)

@@ -74,6 +74,29 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "with --ray, that per engine replica the pools can scale to)",
     )
     server.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    server.add_argument(
+        "--max-buffered-body-bytes",
+        type=int,
+        default=64 * 2**20,
+        help="bytes that request bodies still being received may hold together, beyond each "
+        "one's first 64 KiB (else 503 with Retry-After)",
+    )
+    server.add_argument(
+        "--limit-connections",
+        type=int,
+        default=None,
+        help="open connections; one more is answered 503 with Retry-After (default: 2 x "
+        "max-inflight-requests)",
+    )
+    server.add_argument(
+        "--limit-request-header-bytes",
+        type=int,
+        default=64 * 2**10,
+        help="a request's line and headers together (else 431)",
+    )
+    server.add_argument(
+        "--limit-request-fields", type=int, default=100, help="header fields (else 431)"
+    )
     timeouts = parser.add_argument_group("timeouts (seconds)")
     timeouts.add_argument(
         "--timeout-request-header",
@@ -171,12 +194,13 @@ def serving_configs(args: argparse.Namespace) -> tuple[EngineConfig, SparsityCon
 
 
 def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
-    from service.http_server import Server, ServerConfig
+    from service.http_server import ConnectionLimits, Server, ServerConfig
     from service.settings import PoolSpec, ServerSettings, parse_pools
     from service.standalone import build_standalone_app
     from sparse_core.models.prequantized import describe_checkpoint_quantization
 
     pools = parse_pools(args.pools, sparsity)
+    max_inflight = args.max_inflight_requests or 4 * engine_config.max_num_seqs * len(pools)
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
         max_model_len=engine_config.max_model_len,
@@ -185,9 +209,9 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         checkpoint_quantization=describe_checkpoint_quantization(engine_config.model),
         kv_cache_dtype=engine_config.kv_cache_dtype,
         api_key=args.api_key,
-        max_inflight_requests=args.max_inflight_requests
-        or 4 * engine_config.max_num_seqs * len(pools),
+        max_inflight_requests=max_inflight,
         max_request_bytes=args.max_request_bytes,
+        max_buffered_body_bytes=args.max_buffered_body_bytes,
         timeout_request_body_s=args.timeout_request_body,
     )
     app = build_standalone_app(
@@ -203,7 +227,12 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_request_header=args.timeout_request_header,
+        limits=ConnectionLimits(
+            timeout_request_header=args.timeout_request_header,
+            limit_request_header_bytes=args.limit_request_header_bytes,
+            limit_request_fields=args.limit_request_fields,
+            limit_connections=args.limit_connections or 2 * max_inflight,
+        ),
         timeout_keep_alive=args.timeout_keep_alive,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
+# Of each request's body, what it may hold outside `ServerSettings.max_buffered_body_bytes`: the
+# body of a typical request (a few thousand tokens of prompt), so that such requests are served
+# while large bodies are being received.
+BODY_BYTES_OUTSIDE_BUDGET = 64 * 2**10
 
 
 def resolve_api_key(given: str | None, environ: Mapping[str, str]) -> str | None:
@@ -105,6 +109,10 @@ class ServerSettings:
     # bound on what one server holds in memory.
     max_inflight_requests: int = 256
     max_request_bytes: int = 4 * 2**20
+    # Bytes that bodies still being received may hold together, beyond each one's first
+    # `BODY_BYTES_OUTSIDE_BUDGET`: a request that finds them spent gets 503 with Retry-After,
+    # so that many half-sent bodies hold a bounded amount of memory.
+    max_buffered_body_bytes: int = 64 * 2**20
     max_choices: int = 16  # prompts x n per request
     # What the engines compute and store in (EngineConfig.quantization / kv_cache_dtype),
     # reported by /v1/models, with the checkpoint's own quantization when it is pre-quantized

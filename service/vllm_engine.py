@@ -52,6 +52,7 @@ class VllmAsyncLLM:
         path = vllm_model_path(config.model)
         hf = json.loads((Path(path) / "config.json").read_text())
         self.num_layers = hf["num_hidden_layers"]
+        self.vocab_size: int = hf["vocab_size"]
         self.plan = plan_layers(sparsity, self.num_layers, name, config.expected_input_len)
         self.dummy = config.model.startswith("dummy:")
         self.tokenizer: Tokenizer | ByteTokenizer
@@ -113,6 +114,7 @@ class VllmAsyncLLM:
             raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
         if self.dummy and params.stop:
             raise ValueError("stop strings need vLLM's tokenizer, which a dummy model has not")
+        params.verify(self.vocab_size)
         return self._stream(list(prompt_ids), _vllm_params(params), request_id)
 
     async def _stream(

@@ -119,3 +119,12 @@ def test_a_tiny_temperature_is_greedy():
     # Just above the greedy threshold the draw stays finite and on the top token.
     ones = torch.ones(1)
     assert _draw(logits * 1e6, ones * 2e-5, None, None, uniforms=ones * 0.5).tolist() == [1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(device):
+    """1e-300 is 0 in float32: the most likely token still stays, never the vocabulary's last."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.0]], device=device).expand(50, -1)
+    params = SamplingParams(temperature=1.0, top_p=1e-300)
+    tokens = sample(logits, _seqs(params, 50), torch.Generator().manual_seed(0), [True] * 50)
+    assert tokens.tolist() == [1] * 50

@@ -106,8 +106,18 @@ def test_token_ids_outside_the_vocabulary(tiny):
         ({"max_tokens": -3}, "max_tokens must be at least 1"),
         ({"temperature": -1.0}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": float("inf")}, "top_p must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ({"max_tokens": True}, "max_tokens must be an integer"),
         ({"stop": [""]}, "stop strings"),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop may hold at most 64 strings"),
+        ({"stop": ["x" * 4097]}, "at most 4096 characters together"),
+        ({"stop_token_ids": [-1]}, r"stop_token_ids must be token ids \(>= 0\)"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids may hold at most 1024"),
+        ({"stop_token_ids": [True]}, "stop_token_ids must be an integer"),
         ({"compress_prefix_len": 0}, "compress_prefix_len must be a positive integer"),
         ({"compress_prefix_len": True}, "compress_prefix_len must be a positive integer"),
         ({"compress_prefix_len": 2.5}, "compress_prefix_len must be a positive integer"),
@@ -116,6 +126,28 @@ def test_token_ids_outside_the_vocabulary(tiny):
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"top_k": 2**63}, r"top_k must be at most the vocabulary size 512"),
+        ({"top_k": 513}, r"top_k must be at most the vocabulary size 512"),
+        ({"stop_token_ids": [10**12], "min_tokens": 2}, r"stop_token_ids must be in \[0, 512\)"),
+        ({"stop_token_ids": [512]}, r"stop_token_ids must be in \[0, 512\)"),
+    ],
+)
+def test_fields_beyond_the_vocabulary_are_refused_when_the_request_is_added(tiny, kwargs, message):
+    """Checked against the model before the request reaches a step: in a batched step they would
+    fail every request of it (an int64 overflow, an index past the logits)."""
+    with pytest.raises(ValueError, match=message):
+        tiny.generate([[1, 2, 3]], SamplingParams(**kwargs))
+    assert not tiny.engine.has_unfinished
+    assert len(tiny.generate([[1, 2, 3]], SamplingParams(top_k=512, stop_token_ids=[511]))) == 1
 
 
 def test_compress_prefix_longer_than_the_prompt(tiny):

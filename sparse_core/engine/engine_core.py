@@ -75,9 +75,9 @@ def run_loop(
         if engine.has_unfinished:
             try:
                 outputs += engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
+            except Exception as exc:  # fails the request that caused it, not the others
                 logger.exception("engine step failed")
-                errors = fail_all(engine, f"engine step failed: {exc}")
+                errors = engine.recover_from_failed_step(f"engine step failed: {exc}")
         publish(StepResult(outputs, errors, engine.stats()))
 
 

@@ -31,6 +31,9 @@ from sparse_core.models.prequantized import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
+# A sequence in this many failed steps fails, suspect or not (`recover_from_failed_step`).
+MAX_FAILED_STEPS = 3
+
 
 @dataclass
 class _Flight:
@@ -216,7 +219,26 @@ class LLMEngine:
             if self._step_log is not None:
                 self._step_log.write(record)
         self._last_step_end = now
-        return self.output_processor.process(flight.step, tokens, flight.wanted, now)
+        outputs = self.output_processor.process(flight.step, tokens, flight.wanted, now)
+        for seq, sampled in zip(flight.step.seqs, flight.wanted, strict=True):
+            seq.suspect &= not sampled  # a step of its own sampled it: not the cause
+        return outputs
+
+    def recover_from_failed_step(self, message: str) -> list[tuple[str, str]]:
+        """After `step()` raised: fail the request that caused it, and only that one. Every
+        running sequence is preempted and recomputed later; the ones that could have caused the
+        failure become suspects, which the scheduler runs one at a time until each has a step
+        of its own succeed. A failure with a single candidate fails it, as does a sequence's
+        `MAX_FAILED_STEPS`-th failed step (nothing fails forever). Returns the failed requests'
+        ids, each with `message`."""
+        self._ahead = None  # launched on the state the failure left: recomputed instead
+        candidates = self.scheduler.preempt_after_failure()
+        failed = [
+            s for s in candidates if len(candidates) == 1 or s.num_failed_steps >= MAX_FAILED_STEPS
+        ]
+        for seq in failed:
+            self.abort(seq.request_id)
+        return [(seq.request_id, message) for seq in failed]
 
     def _launch(
         self,

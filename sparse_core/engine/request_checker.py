@@ -25,6 +25,7 @@ class RequestChecker:
         self, request_id: str, prompt: str | list[int], params: SamplingParams
     ) -> Sequence:
         """Validate and tokenise a request; raises ValueError naming the problem."""
+        params.verify(self.vocab_size)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

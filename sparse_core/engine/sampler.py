@@ -159,7 +159,9 @@ def _kept(
         keep &= (top_k[:, None] == 0) | (rank[None, :] < top_k[:, None])
     if top_p is not None:
         probs = ranked.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p.
+        # Drop a token when the tokens ranked above it already cover top_p. The most likely
+        # has nothing above it, and stays even for a top_p that float32 rounds to 0.
         above = probs.cumsum(dim=-1) - probs
-        keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1)
+        first = torch.arange(ranked.shape[-1], device=ranked.device) == 0
+        keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1) | first[None, :]
     return torch.empty_like(keep).scatter_(-1, order, keep)

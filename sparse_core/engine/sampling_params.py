@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # A seed is a signed 64-bit integer, as in vLLM.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# Bounds on what one request may ask every step to check: stop strings are searched in each new
+# piece of text on the engine's thread, so their number and length are what a request costs
+# every other request of its steps (OpenAI takes at most 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096  # all of a request's stop strings together
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -29,7 +36,7 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 = off (-1, vLLM's "off", is taken as 0)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -43,21 +50,29 @@ class SamplingParams:
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        """Checks what holds for any model; `verify` adds what depends on the model's
+        vocabulary. Every message starts with the field's name."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        for name in ("max_tokens", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            _check_finite(name, getattr(self, name))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 0, or -1 (both disable it), got {self.top_k}")
+        self.top_k = max(self.top_k, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
@@ -67,11 +82,42 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        self._check_stops()
         n = self.compress_prefix_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"compress_prefix_len must be a positive integer or None, got {n!r}")
+
+    def _check_stops(self) -> None:
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be a string or a list of strings")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got "
+                             f"{len(self.stop)}")  # fmt: skip
+        chars = sum(map(len, self.stop))
+        if chars > MAX_STOP_CHARS:
+            raise ValueError(f"stop strings may have at most {MAX_STOP_CHARS} characters "
+                             f"together, got {chars}")  # fmt: skip
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}")  # fmt: skip
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token)
+            if token < 0:
+                raise ValueError(f"stop_token_ids must be token ids (>= 0), got {token}")
+
+    def verify(self, vocab_size: int) -> None:
+        """What depends on the model: `top_k` at most the vocabulary, `stop_token_ids` in it.
+        Engines call it when they accept a request, so that nothing the device code cannot take
+        reaches a batched step (where it would fail every request of the step)."""
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 or "
+                             f"-1 to disable it), got {self.top_k}")  # fmt: skip
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), the model's "
+                             f"vocabulary; got {outside[0]}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:
@@ -92,3 +138,13 @@ class SamplingParams:
         """Ids that cannot be sampled before `min_tokens` outputs: those that would stop it."""
         eos = [] if self.ignore_eos else self.eos_token_ids
         return list(dict.fromkeys([*self.stop_token_ids, *eos]))
+
+
+def _check_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _check_finite(name: str, value: object) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

@@ -228,13 +228,15 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while len(self.running) < self.max_num_seqs:
+            seq = self._next_to_admit()
+            if seq is None:
+                break
             chunk = self._admissible_chunk(seq, budget)
             if chunk == 0:
                 break
             chunked = chunk < seq.num_prefill_tokens
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self.block_manager.allocate(seq, chunked)
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = chunk
@@ -242,6 +244,33 @@ class Scheduler:
             admitted.append(seq)
             budget -= chunk
         return admitted
+
+    def _next_to_admit(self) -> Sequence | None:
+        """The first waiting sequence; while suspects wait (sequences of a failed step), the
+        first of them, and only when no other suspect runs: they run one at a time, beside the
+        sequences that already had a step succeed, so that a step that fails again names its
+        cause."""
+        suspect = next((seq for seq in self.waiting if seq.suspect), None)
+        if suspect is None:
+            return self.waiting[0] if self.waiting else None
+        if any(seq.suspect for seq in self.running):
+            return None
+        return suspect
+
+    def preempt_after_failure(self) -> list[Sequence]:
+        """After a step failed: the sequences that may have caused it, all running sequences
+        preempted (what the step left half done is recomputed). The candidates are the suspects
+        that ran (one at most), else every running sequence; each is marked a suspect."""
+        candidates = [seq for seq in self.running if seq.suspect] or list(self.running)
+        if not candidates and self.waiting:  # it failed admitting the first one
+            candidates = [self.waiting[0]]
+        for seq in candidates:
+            seq.suspect = True
+            seq.num_failed_steps += 1
+        for seq in reversed(self.running):
+            self._preempt(seq)
+        self.running = []
+        return candidates
 
     def _prepare_decode(self) -> list[Sequence]:
         """Make room for one token per sequence done prefilling, preempting the newest when a

@@ -40,6 +40,10 @@ class Sequence:
     prefill_len: int = 0  # num_prefill_tokens when last admitted: what its (re)prefill feeds
     table_row: int = -1  # this sequence's row in the block manager's host block tables
     num_preemptions: int = 0
+    # In a step that failed, and not yet in one of its own that succeeded: the scheduler runs
+    # such sequences one at a time, to find the one that fails (Scheduler.preempt_after_failure).
+    suspect: bool = False
+    num_failed_steps: int = 0
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     text: str = ""  # detokenised output, stop strings removed

@@ -91,8 +91,9 @@ def test_body_over_the_limit_is_413(limits_server):
             yield b"y" * 1000
         yield b'"}'
 
-    response = httpx.post(limits_server.v1 + "/completions", content=chunks(),
-                          headers={"Authorization": f"Bearer {limits_server.api_key}"})  # fmt: skip
+    headers = {"Authorization": f"Bearer {limits_server.api_key}",
+               "Content-Type": "application/json"}  # fmt: skip
+    response = httpx.post(limits_server.v1 + "/completions", content=chunks(), headers=headers)
     assert response.status_code == 413
 
 

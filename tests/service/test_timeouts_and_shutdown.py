@@ -89,7 +89,8 @@ def trickle(server: ServeProcess, stop: threading.Event) -> None:
     try:
         with connect(server) as sock:
             sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n"
+                b"Content-Type: application/json\r\n\r\n"
             )
             while not stop.wait(1.0):
                 sock.sendall(b" ")
