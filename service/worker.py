@@ -138,10 +138,11 @@ class EngineWorker:
         prompt_ids, param = await loop.run_in_executor(self._tokenizing, self._prompt_ids, req)
         params = self._sampling_params(req, len(prompt_ids))
         try:
-            # The engine validates eagerly (KV capacity, ids): errors are 4xx before streaming.
+            # The engine validates eagerly (KV capacity, ids, fields against the vocabulary):
+            # errors are 4xx before streaming.
             outputs = self.llm.generate(prompt_ids, params, request_id=req.request_id)
         except ValueError as exc:
-            raise APIError(400, str(exc), param=param) from None
+            raise _invalid(exc, param) from None
         return prompt_ids, params, outputs
 
     def _check_size(self, req: GenerateRequest) -> None:
@@ -218,10 +219,8 @@ class EngineWorker:
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
             )
-        except ValueError as exc:  # its message starts with the field's name
-            field = str(exc).split(" ", 1)[0]
-            param = field if field in GenerateRequest.__dataclass_fields__ else None
-            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        except ValueError as exc:
+            raise _invalid(exc, None) from None
 
     # -- state --------------------------------------------------------------------------------
 
@@ -246,3 +245,12 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.llm.shutdown()
+
+
+def _invalid(exc: ValueError, param: str | None) -> APIError:
+    """A 400 for an engine's ValueError: one about a request field (its message starts with the
+    field's name) names it, with code invalid_value; any other names `param`."""
+    field = str(exc).split(" ", 1)[0]
+    if field in GenerateRequest.__dataclass_fields__ and field not in ("prompt", "messages"):
+        return APIError(400, str(exc), param=field, code="invalid_value")
+    return APIError(400, str(exc), param=param)

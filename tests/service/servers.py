@@ -163,6 +163,7 @@ class BadRequest:
     status: int
     param: str | None
     code: str | None
+    content_type: str = "application/json"  # of a body given as bytes
 
 
 def _completion(**fields) -> dict:
@@ -219,6 +220,15 @@ BAD_REQUESTS = [
                "invalid_value"),
     BadRequest("too many choices", "/v1/completions", _completion(n=100), 400, "n",
                "invalid_value"),
+    BadRequest("top_k beyond int64", "/v1/completions", _completion(top_k=2**63), 400, "top_k",
+               "invalid_value"),
+    BadRequest("stop token id outside the vocabulary", "/v1/chat/completions",
+               _chat(stop_token_ids=[10**12], min_tokens=1), 400, "stop_token_ids",
+               "invalid_value"),
+    BadRequest("too many stop strings", "/v1/completions",
+               _completion(stop=[str(i) for i in range(1000)]), 400, "stop", "invalid_value"),
+    BadRequest("a form body", "/v1/completions", b"model=x&prompt=hi", 415, None,
+               "unsupported_media_type", content_type="application/x-www-form-urlencoded"),
 ]  # fmt: skip
 
 
@@ -235,7 +245,7 @@ def check_refused(response: httpx.Response, case: BadRequest) -> None:
 def send(server: Server, case: BadRequest, api_key: str | None = None) -> httpx.Response:
     headers = {"Authorization": f"Bearer {api_key or server.api_key}"}
     if isinstance(case.body, bytes):
-        headers["Content-Type"] = "application/json"
+        headers["Content-Type"] = case.content_type
         return httpx.post(
             server.base_url + case.path, content=case.body, headers=headers, timeout=60
         )
