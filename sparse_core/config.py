@@ -223,6 +223,14 @@ class EngineConfig:
       chunks over the next steps, so that running sequences keep decoding while it is. Until its
       last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
       groups shrink to their budget after it).
+    enable_prefix_caching: a prompt's full blocks of KV stay in the KV cache after its
+      prefill, in every layer group (compressing groups hold the whole prefill while it runs,
+      and write the tokens they keep to blocks of their own), as cached blocks that count as
+      free: allocation evicts them, least recently used first. A prompt whose first full
+      blocks are cached in every group prefills only the rest: whole groups share the cached
+      blocks, compressing groups score the whole prompt with its own observation window and
+      keep their own selection (sparse_core/cache/block_manager.py). A prefill for which the
+      groups lack the room to cache runs as without the cache.
     space_admissions: while sequences decode, a step that ended a prompt's prefill is followed
       by one that admits none (its decode rows alone, a short decode-only step) before the
       next prompt joins; a prompt with a single token to generate does not
@@ -290,6 +298,9 @@ class EngineConfig:
     )
     enable_chunked_prefill: bool = option(
         False, "prefill a prompt that does not fit a step in chunks over several steps"
+    )
+    enable_prefix_caching: bool = option(
+        False, "keep prompts' full KV blocks after prefill and start later prefills after them"
     )
     space_admissions: bool = option(
         False,

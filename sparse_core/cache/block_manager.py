@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from sparse_core.cache.block_pool import BlockPool
+from sparse_core.cache.block_pool import BlockPool, prefix_hashes
 from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.engine.sequence import Sequence
+
+
+@dataclass
+class _Admission:
+    cached: list[list[int]]  # per group: the cached blocks the prefill starts from
+    new_blocks: list[int]  # per group: blocks it allocates
+    caches: bool  # whether the prefill caches (see BlockManager)
 
 
 class BlockManager:
@@ -16,6 +25,15 @@ class BlockManager:
     The mirror (one int32 row per running sequence and group) changes only when a block is
     allocated, so a decode step gathers its block tables with one indexing op per group instead
     of converting Python lists for every sequence.
+
+    With `enable_prefix_caching`, a prefill that has room for it *caches*: every group holds all
+    of its tokens (the KV of every layer, as a chunked prefill does) and a compressing group
+    writes the kept tokens to blocks of their own, so that at the prefill's end its full blocks
+    stay in the pools as cached blocks (`BlockPool`) while each group keeps what it keeps. A
+    later prefill whose first full blocks are cached in every group starts after them: whole
+    groups share the cached blocks, and compressing groups read them when they score and gather
+    the prompt, then keep their own selection. A prefill without room for that caches nothing
+    and takes the blocks it takes without the cache.
     """
 
     def __init__(
@@ -24,39 +42,110 @@ class BlockManager:
         blocks_per_group: list[int],
         max_num_seqs: int,
         max_model_len: int,
+        enable_prefix_caching: bool = False,
+        min_uncached_tokens: int = 1,
     ) -> None:
+        """min_uncached_tokens: the fewest tokens a prefill must compute after a cache hit (its
+        last, which samples; a compressing policy's observation window, whose queries score the
+        whole prompt)."""
         self.groups = retention.groups
         self.block_size = retention.block_size
         self.pools = [BlockPool(n) for n in blocks_per_group]
+        self.enable_prefix_caching = enable_prefix_caching
+        self.min_uncached_tokens = min_uncached_tokens
         width = cdiv(max_model_len, self.block_size)
         self.host_tables = [
             torch.zeros((max_num_seqs, width), dtype=torch.int32) for _ in blocks_per_group
         ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        # Prefill tokens asked for and found in the cache, over every admission (vLLM's prefix
+        # cache queries and hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
-    def prefill_kv_lens(self, seq: Sequence, chunked: bool = False) -> list[int]:
-        """Tokens each group holds after prefilling the sequence (prompt + any outputs, when it
-        is recomputed after preemption; or the prompt's compressed prefix). While a chunked
-        prefill runs, every group holds all of it: the last chunk scores every token."""
+    # -- admission ------------------------------------------------------------------------------
+
+    def cached_blocks(self, seq: Sequence) -> list[list[int]]:
+        """Per group, the cached blocks a prefill of `seq` would start from: the longest run of
+        its first full blocks that every group has, leaving at least `min_uncached_tokens` to
+        compute (empty lists when caching is off)."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.pools]
         n = seq.num_prefill_tokens
-        return [group.tokens_at_admission(n, chunked) for group in self.groups]
+        usable = max(n - self.min_uncached_tokens, 0) // self.block_size
+        prefix_hashes(seq.token_ids[: usable * self.block_size], self.block_size,
+                      seq.block_hashes)  # fmt: skip
+        hashes = seq.block_hashes[:usable]
+        found = [pool.cached_prefix(hashes) for pool in self.pools]
+        common = min(map(len, found))
+        return [blocks[:common] for blocks in found]
 
-    def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
-        lens = self.prefill_kv_lens(seq, chunked)
+    def _new_blocks(self, seq: Sequence, chunked: bool, num_cached: int | None) -> list[int]:
+        """Per group, the blocks an admission takes: caching (num_cached: tokens found in the
+        cache) or not (None)."""
+        n = seq.num_prefill_tokens
+        if num_cached is None:
+            return [g.blocks(g.tokens_at_admission(n, chunked)) for g in self.groups]
+        return [g.caching_admission_blocks(n, num_cached) for g in self.groups]
+
+    def _admission(self, seq: Sequence, chunked: bool) -> _Admission:
+        """How `seq` would be admitted now: caching when caching is on and every group has room
+        for it, else as without the cache."""
+        if self.enable_prefix_caching:
+            cached = self.cached_blocks(seq)
+            new = self._new_blocks(seq, chunked, len(cached[0]) * self.block_size)
+            caching = _Admission(cached, new, caches=True)
+            if self._fits(caching):
+                return caching
+        none: list[list[int]] = [[] for _ in self.pools]
+        return _Admission(none, self._new_blocks(seq, chunked, None), caches=False)
+
+    def _fits(self, admission: _Admission) -> bool:
+        """Room in every group for the new blocks, beside the cached ones it takes out of the
+        cache (they no longer count as free)."""
         return all(
-            group.blocks(n) <= pool.num_free
-            for group, pool, n in zip(self.groups, self.pools, lens, strict=True)
+            new + sum(pool.refs(b) == 0 for b in cached) <= pool.num_free
+            for new, cached, pool in zip(
+                admission.new_blocks, admission.cached, self.pools, strict=True
+            )
         )
 
+    def num_cached_tokens(self, seq: Sequence, chunked: bool = False) -> int:
+        """Prefill tokens an admission of `seq` now would find in the cache."""
+        return len(self._admission(seq, chunked).cached[0]) * self.block_size
+
+    def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
+        return self._fits(self._admission(seq, chunked))
+
     def allocate(self, seq: Sequence, chunked: bool = False) -> None:
-        lens = self.prefill_kv_lens(seq, chunked)
+        """Admit `seq`: its blocks in every group, and its prefill set to start after the
+        tokens found in the cache (`seq.num_computed_tokens`)."""
+        admission = self._admission(seq, chunked)
+        seq.caches_prefill = admission.caches
+        n = seq.prefill_len = seq.num_prefill_tokens
+        num_cached = len(admission.cached[0]) * self.block_size
         seq.table_row = self._free_rows.pop()
-        seq.prefill_len = seq.num_prefill_tokens
-        for g, (group, pool, n) in enumerate(zip(self.groups, self.pools, lens, strict=True)):
-            blocks = pool.allocate(group.blocks(n))
-            seq.block_tables[g] = blocks
-            seq.kv_lens[g] = n
-            self.host_tables[g][seq.table_row, : len(blocks)] = torch.tensor(blocks)
+        for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
+            cached = admission.cached[g]
+            pool.take_cached(cached)
+            if admission.caches:
+                # Every prefill token, the cached ones shared; the kept ones of a compressing
+                # group in blocks of their own.
+                table = cached + pool.allocate(group.blocks(n) - len(cached))
+                if group.compresses(n):
+                    kept = group.tokens_after_prefill(n)
+                    seq.kept_tables[g] = pool.allocate(group.blocks(kept))
+                seq.kv_lens[g] = n
+            else:
+                held = group.tokens_at_admission(n, chunked)
+                table = pool.allocate(group.blocks(held))
+                seq.kv_lens[g] = held
+            seq.block_tables[g] = table
+            self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
+        self.prefix_cache_queries += n
+        self.prefix_cache_hits += num_cached
         # Prompt tokens still to come (forced one per step) are kept whole.
         seq.prompt_kv_lens = [
             group.tokens_after_prefill(seq.prefill_len, seq.num_forced_prompt_tokens)
@@ -65,15 +154,31 @@ class BlockManager:
 
     def end_prefill(self, seq: Sequence) -> None:
         """After a prefill's last token, every group keeps only the blocks of its kept tokens.
-        A chunked prefill held all of them, and its last chunk wrote each compressing group's
-        kept tokens to the front of its blocks; a whole prefill holds no more already."""
+        A caching prefill's full blocks become findable in every group, and a compressing
+        group's table becomes its kept blocks (the prefill's blocks stay in the cache). A
+        chunked prefill that does not cache held every token, and its last chunk wrote each
+        compressing group's kept tokens to the front of its blocks; a whole prefill holds no
+        more already."""
+        n = seq.prefill_len
+        if seq.caches_prefill:
+            prefix_hashes(seq.token_ids[:n], self.block_size, seq.block_hashes)
         for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
-            kept = group.tokens_after_prefill(seq.prefill_len)
+            kept = group.tokens_after_prefill(n)
             table = seq.block_tables[g]
-            num_blocks = group.blocks(kept)
-            pool.free(table[num_blocks:])
-            del table[num_blocks:]
+            if seq.caches_prefill:
+                pool.register(table, seq.block_hashes[: n // self.block_size])
+            kept_table = seq.kept_tables[g]
+            if kept_table is not None:
+                pool.free(table)
+                seq.block_tables[g] = table = kept_table
+                seq.kept_tables[g] = None
+                self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
+            else:
+                num_blocks = group.blocks(kept)
+                pool.free(table[num_blocks:])
+                del table[num_blocks:]
             seq.kv_lens[g] = kept
+        seq.caches_prefill = False
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token in every group (a new block where the last one is full)."""
@@ -103,8 +208,10 @@ class BlockManager:
         return slots
 
     def free(self, seq: Sequence) -> None:
-        for pool, blocks in zip(self.pools, seq.block_tables, strict=True):
-            pool.free(blocks)
+        """Release the sequence's blocks (those of a prefill that caches stay in the cache only
+        once it has ended: a prefill cut short wrote no KV anyone can trust)."""
+        for pool, blocks, kept in zip(self.pools, seq.block_tables, seq.kept_tables, strict=True):
+            pool.free(blocks + (kept or []))
         self._free_rows.append(seq.table_row)
         seq.reset_cache_state()
 
@@ -117,20 +224,27 @@ class BlockManager:
         ]
 
     def usage(self) -> dict[str, dict[str, int]]:
+        """Per group: total, used, free (cached blocks count as free) and cached blocks."""
         return {
             group.group.name: {
                 "total": pool.num_blocks,
                 "used": pool.num_used,
                 "free": pool.num_free,
+                "cached": pool.num_cached,
             }
             for group, pool in zip(self.groups, self.pools, strict=True)
         }
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every pool balanced, and its used blocks are exactly the live sequences' blocks,
-        each owned once."""
+        """Every pool balanced, and each block is used by exactly as many live sequences as
+        hold it (once each)."""
         for g, pool in enumerate(self.pools):
             pool.check()
-            owned = [b for seq in live for b in seq.block_tables[g]]
-            assert len(owned) == len(set(owned)), f"group {g}: a block is owned twice"
-            assert set(owned) == pool.used_blocks, f"group {g}: used blocks and owners disagree"
+            owners: dict[int, int] = {}
+            for seq in live:
+                blocks = seq.block_tables[g] + (seq.kept_tables[g] or [])
+                assert len(blocks) == len(set(blocks)), f"group {g}: a sequence holds a block twice"
+                for block in blocks:
+                    owners[block] = owners.get(block, 0) + 1
+            used = {b: pool.refs(b) for b in range(pool.num_blocks) if pool.refs(b)}
+            assert owners == used, f"group {g}: used blocks and owners disagree"

@@ -1,45 +1,127 @@
-"""A pool of fixed-size KV blocks for one layer group."""
+"""A pool of fixed-size KV blocks for one layer group, with its prefix cache.
+
+A block is free, used (referenced by one or more sequences), or cached: it holds the KV of a
+full block of prompt tokens, known by its hash (`prefix_hash`), and no sequence uses it. Cached
+blocks count as free: allocation takes truly free blocks first, then evicts cached ones, least
+recently used first, so the cache only ever holds memory that no sequence needs. A used block
+with a hash stays findable, and sequences that share a prefix share its blocks.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
+
+BlockHash = bytes
+
+
+def prefix_hashes(token_ids: list[int], block_size: int, known: list[BlockHash]) -> None:
+    """Extend `known`, the hashes of the first full blocks of `token_ids`, to every full block.
+    Block i's hash covers its tokens and block i - 1's hash, so it names the whole prefix up to
+    its end (the KV of a token depends on every token before it, and on nothing else)."""
+    for i in range(len(known), len(token_ids) // block_size):
+        digest = hashlib.blake2b(known[-1] if known else b"", digest_size=16)
+        digest.update(array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes())
+        known.append(digest.digest())
 
 
 class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # used blocks: how many sequences hold each
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unused, hashed: LRU first
+        self._hash_of: dict[int, BlockHash] = {}
+        self._block_of: dict[BlockHash, int] = {}
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return len(self._refs)
 
     @property
-    def used_blocks(self) -> frozenset[int]:
-        return frozenset(self._used)
+    def num_cached(self) -> int:
+        """Cached blocks no sequence uses (part of `num_free`)."""
+        return len(self._cached)
+
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise RuntimeError(f"pool has {len(self._free)} free blocks, {count} requested")
-        blocks = [self._free.popleft() for _ in range(count)]
-        self._used.update(blocks)
+        if count > self.num_free:
+            raise RuntimeError(f"pool has {self.num_free} free blocks, {count} requested")
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                block = self._free.popleft()
+            else:  # the least recently used cached block leaves the cache
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._hash_of.pop(block)]
+            self._refs[block] = 1
+            blocks.append(block)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; a block no sequence holds goes back to the cache
+        if it has a hash (as the most recently used), else to the free list."""
         for block in blocks:
-            if block not in self._used:
+            refs = self._refs.get(block)
+            if refs is None:
                 raise RuntimeError(f"block {block} freed but not in use")
-            self._used.remove(block)
-            self._free.append(block)
+            if refs > 1:
+                self._refs[block] = refs - 1
+                continue
+            del self._refs[block]
+            if block in self._hash_of:
+                self._cached[block] = None
+            else:
+                self._free.append(block)
+
+    # -- the prefix cache ----------------------------------------------------------------------
+
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        """The blocks holding the longest prefix of `hashes` that the pool has (changes
+        nothing)."""
+        blocks = []
+        for block_hash in hashes:
+            block = self._block_of.get(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take_cached(self, blocks: list[int]) -> None:
+        """Reference blocks found by `cached_prefix` (a cached one becomes used again)."""
+        for block in blocks:
+            if block in self._cached:
+                del self._cached[block]
+                self._refs[block] = 1
+            else:
+                self._refs[block] += 1
+
+    def register(self, blocks: list[int], hashes: list[BlockHash]) -> None:
+        """Make used blocks findable by their prefix hashes (a hash some block has already
+        keeps that block; a block keeps its first hash)."""
+        for block, block_hash in zip(blocks, hashes, strict=False):
+            if block_hash in self._block_of or block in self._hash_of:
+                continue
+            self._hash_of[block] = block_hash
+            self._block_of[block_hash] = block
 
     def check(self) -> None:
-        """free + used == total and no block is both free and used (or free twice)."""
+        """Free, used and cached blocks partition the pool; the hash maps agree; every cached
+        block has a hash."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not free & self._used, "a block is both free and used"
-        assert len(free) + len(self._used) == self.num_blocks, "blocks leaked"
+        used, cached = set(self._refs), set(self._cached)
+        assert not free & used and not free & cached and not used & cached, "a block is twice"
+        assert len(free) + len(used) + len(cached) == self.num_blocks, "blocks leaked"
+        assert all(refs > 0 for refs in self._refs.values())
+        assert cached <= set(self._hash_of), "a cached block without a hash"
+        assert not free & set(self._hash_of), "a free block with a hash"
+        assert {self._block_of[h]: h for h in self._hash_of.values()} == self._hash_of

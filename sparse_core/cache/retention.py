@@ -63,6 +63,16 @@ class GroupRetention:
         after = self.tokens_after_prefill(num_prefill_tokens, num_later_tokens)
         return max(after, chunked_prefill_tokens)
 
+    def caching_admission_blocks(self, num_prefill_tokens: int, num_cached_tokens: int) -> int:
+        """New blocks a prefill that caches takes at admission: every prefill token's beyond
+        the cached ones (a multiple of the block size), and a compressing group's kept tokens'
+        in blocks of their own (BlockManager)."""
+        n = num_prefill_tokens
+        new = self.blocks(n) - num_cached_tokens // self.block_size
+        if self.compresses(n):
+            new += self.blocks(self.tokens_after_prefill(n))
+        return new
+
     def blocks(self, num_tokens: int) -> int:
         """Blocks that hold this many tokens."""
         return cdiv(num_tokens, self.block_size)

@@ -72,8 +72,8 @@ class BatchBuilder:
             self.decode(step.decodes, block_manager, decode_input_ids) if step.decodes else None,
         )
 
-    def _slots(self, seq: Sequence, group: int, count: int) -> list[int]:
-        table, bs = seq.block_tables[group], self.retention.block_size
+    def _slots(self, table: list[int], count: int) -> list[int]:
+        bs = self.retention.block_size
         return [table[i // bs] * bs + i % bs for i in range(count)]
 
     def prefill(self, seqs: list[Sequence]) -> PrefillBatch:
@@ -84,7 +84,9 @@ class BatchBuilder:
         A group that keeps fewer tokens than the prefill compresses it when its last token is
         fed. A whole prefill's tokens then get slot -1 and a compression job instead: only the
         kept tokens ever reach that group's pool. A chunked prefill stores every token, and its
-        last chunk's compression job writes the kept tokens over the front of its blocks.
+        last chunk's compression job writes the kept tokens over the front of its blocks. A
+        prefill that caches stores every token too, its cached ones already there, and its
+        compression jobs write the kept tokens to blocks of their own (BlockManager).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -107,7 +109,7 @@ class BatchBuilder:
             cached.new_rows += range(k_start + first, k_start + end)
             for g, group in enumerate(self.retention.groups):
                 if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
-                    slots = self._slots(seq, g, end)
+                    slots = self._slots(seq.block_tables[g], end)
                     slot_mappings[g] += slots[first:]
                     cached.cached_slots[g] += slots[:first]
                 else:
@@ -115,7 +117,8 @@ class BatchBuilder:
                 if end == n and group.compresses(n):
                     compress_bounds[g].append((k_start, k_start + n))
                     compress_query_ends[g].append(len(input_ids))
-                    compress_slots[g] += self._slots(seq, g, group.tokens_after_prefill(n))
+                    kept_table = seq.kept_tables[g] or seq.block_tables[g]
+                    compress_slots[g] += self._slots(kept_table, group.tokens_after_prefill(n))
         return PrefillBatch(
             input_ids,
             positions,

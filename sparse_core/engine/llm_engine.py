@@ -95,11 +95,17 @@ class LLMEngine:
         self.retention = self.runner.retention
         self.plan = self.retention.plan
         blocks = start_kv_cache(self.runner, config, self.model_config.vocab_size)
-        self.block_manager = BlockManager(
-            self.retention, blocks, config.max_num_seqs, config.max_model_len
-        )
-        # A chunked prompt's last chunk must hold the observation window, whose queries score it.
+        # A chunked prompt's last chunk, and what a prefill computes after a prefix cache hit,
+        # must hold the observation window, whose queries score the whole prompt.
         min_last_chunk = self.sparsity.window if self.sparsity.compresses else 1
+        self.block_manager = BlockManager(
+            self.retention,
+            blocks,
+            config.max_num_seqs,
+            config.max_model_len,
+            config.enable_prefix_caching,
+            min_last_chunk,
+        )
         self.scheduler = Scheduler(config, self.block_manager, min_last_chunk)
         self.checker = RequestChecker(
             self.tokenizer,

@@ -218,13 +218,16 @@ class Scheduler:
             return 0
         return max(0, min(budget, remaining - self.min_last_chunk))
 
-    def _admissible_chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of a waiting prompt's prefill that a step with `budget` left admits; 0 when
-        the budget or a group's free blocks fall short."""
-        chunk = self._next_chunk(seq.num_prefill_tokens, budget)
-        if chunk and self.block_manager.can_allocate(seq, chunk < seq.num_prefill_tokens):
-            return chunk
-        return 0
+    def _admissible_chunk(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        """Tokens of a waiting prompt's prefill that a step with `budget` left admits (those
+        after the ones found in the prefix cache), and whether more chunks follow; 0 when the
+        budget or a group's free blocks fall short."""
+        remaining = seq.num_prefill_tokens - self.block_manager.num_cached_tokens(seq)
+        chunk = self._next_chunk(remaining, budget)
+        chunked = chunk < remaining
+        if chunk and self.block_manager.can_allocate(seq, chunked):
+            return chunk, chunked
+        return 0, False
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -232,10 +235,9 @@ class Scheduler:
             seq = self._next_to_admit()
             if seq is None:
                 break
-            chunk = self._admissible_chunk(seq, budget)
+            chunk, chunked = self._admissible_chunk(seq, budget)
             if chunk == 0:
                 break
-            chunked = chunk < seq.num_prefill_tokens
             self.waiting.remove(seq)
             self.block_manager.allocate(seq, chunked)
             seq.status = SequenceStatus.RUNNING

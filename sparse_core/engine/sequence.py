@@ -31,6 +31,14 @@ class Sequence:
     # Per layer group: the blocks holding this sequence's KV and how many tokens they hold.
     block_tables: list[list[int]] = field(default_factory=list)
     kv_lens: list[int] = field(default_factory=list)
+    # Per layer group, while a prefill that caches runs (BlockManager): the blocks its kept
+    # tokens go to in a compressing group, else None.
+    kept_tables: list[list[int] | None] = field(default_factory=list)
+    caches_prefill: bool = False
+    # Hashes of the first full blocks of token_ids (prefix caching), extended as needed.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    # The most prompt tokens an admission found in the prefix cache.
+    num_cached_tokens: int = 0
     # Per layer group: tokens kept for the whole prompt (its compression): those kept by the
     # prefill, plus any prompt tokens fed one per step after a compressed prefix.
     prompt_kv_lens: list[int] = field(default_factory=list)
@@ -56,6 +64,8 @@ class Sequence:
     def reset_cache_state(self) -> None:
         self.block_tables = [[] for _ in range(self.num_groups)]
         self.kv_lens = [0] * self.num_groups
+        self.kept_tables = [None] * self.num_groups
+        self.caches_prefill = False
         self.table_row = -1
         self.num_computed_tokens = 0
         self.prefill_len = 0
