@@ -242,6 +242,7 @@ def build_app(
             choice.text += chunk.text
             choice.completion_tokens = chunk.num_tokens
             choice.prompt_tokens = chunk.prompt_tokens
+            choice.cached_tokens = chunk.cached_tokens
             if chunk.finish_reason is not None:
                 choice.finish_reason = chunk.finish_reason
                 choice.compression_ratio = chunk.compression_ratio

@@ -37,6 +37,7 @@ class Chunk:
     prompt_tokens: int
     finish_reason: str | None = None
     compression_ratio: float = 1.0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk and the one after it, as one."""
@@ -46,6 +47,7 @@ class Chunk:
             later.prompt_tokens,
             later.finish_reason,
             later.compression_ratio,
+            later.cached_tokens,
         )
 
 

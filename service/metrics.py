@@ -1,4 +1,5 @@
-"""Serving metrics (Prometheus names, `kvsparse_` prefix, base units).
+"""Serving metrics (Prometheus names, base units): vLLM's name (`vllm:`) where vLLM has the
+metric, else the `kvsparse_` prefix.
 
 The same definitions go to one of two sinks: prometheus_client (standalone: the server's own
 `/metrics`) or `ray.util.metrics` (Ray mode: each node's metrics export port, which is what
@@ -63,6 +64,10 @@ DEFINITIONS = [
     MetricDef("counter", "kvsparse_requests_finished_total",
               "Requests finished, by reason: stop, length, abort (client gone), error.",
               labels=("finished_reason",)),
+    MetricDef("counter", "vllm:prefix_cache_queries_total",
+              "Prefill tokens looked up in the prefix cache (vLLM's name)."),
+    MetricDef("counter", "vllm:prefix_cache_hits_total",
+              "Prefill tokens found in the prefix cache (vLLM's name)."),
 ]  # fmt: skip
 
 
@@ -118,7 +123,8 @@ def _ray_factory() -> Callable[[MetricDef, tuple[str, ...]], Any]:
         if d.kind == "histogram":
             return _RayMetric(ray_metrics.Histogram(d.name, d.help, list(d.buckets), labels))
         cls = ray_metrics.Counter if d.kind == "counter" else ray_metrics.Gauge
-        return _RayMetric(cls(d.name, d.help, labels))
+        # Ray refuses ':' in names: vLLM's `vllm:x` is `ray_vllm_x` there.
+        return _RayMetric(cls(d.name.replace(":", "_"), d.help, labels))
 
     return make
 
@@ -152,7 +158,7 @@ class MetricsRecorder:
     def __init__(self, metrics: dict[str, Any], labels: dict[str, str]) -> None:
         self._m = metrics
         self._labels = labels
-        self._preemptions_seen = 0
+        self._counted: dict[str, int] = {}  # engine counters already added, by metric
 
     def _with(self, **extra: str) -> dict[str, str]:
         return {**self._labels, **extra}
@@ -192,7 +198,13 @@ class MetricsRecorder:
             self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
         if stats.gpu_memory_peak_bytes is not None:
             self._m["kvsparse_gpu_memory_peak_bytes"].set(stats.gpu_memory_peak_bytes, self._labels)
-        new = stats.num_preemptions - self._preemptions_seen
+        self._count("kvsparse_num_preemptions_total", stats.num_preemptions)
+        self._count("vllm:prefix_cache_queries_total", stats.prefix_cache_queries)
+        self._count("vllm:prefix_cache_hits_total", stats.prefix_cache_hits)
+
+    def _count(self, name: str, engine_total: int) -> None:
+        """Add what an engine's running total gained since the last call."""
+        new = engine_total - self._counted.get(name, 0)
         if new > 0:
-            self._m["kvsparse_num_preemptions_total"].inc(new, self._labels)
-            self._preemptions_seen = stats.num_preemptions
+            self._m[name].inc(new, self._labels)
+            self._counted[name] = engine_total

@@ -19,16 +19,22 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     compression_ratio: float = 1.0
+    cached_tokens: int = 0
 
 
-def usage(choices: list[Choice]) -> dict[str, int]:
-    """Prompt tokens count once per prompt, whatever `n` is (as OpenAI counts them)."""
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """Prompt tokens count once per prompt, whatever `n` is (as OpenAI counts them); so do the
+    cached ones (the most any of the prompt's choices found in the prefix cache)."""
     prompt = sum({c.prompt_index: c.prompt_tokens for c in choices}.values())
+    cached: dict[int, int] = {}
+    for c in choices:
+        cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.cached_tokens)
     completion = sum(c.completion_tokens for c in choices)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
     }
 
 

@@ -149,6 +149,7 @@ class VllmAsyncLLM:
                     finish_reason=completion.finish_reason if finished else None,
                     kv_tokens_per_group=kept,
                     compression_ratio=ratio,
+                    num_cached_tokens=out.num_cached_tokens or 0,
                 )
         finally:
             if not finished:  # the consumer went away: free the request's blocks now

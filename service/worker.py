@@ -105,13 +105,15 @@ class EngineWorker:
                     sent_tokens = len(out.token_ids)
                     end = len(out.text) if out.finished else max(sent_chars, len(out.text) - hold)
                     text, sent_chars = out.text[sent_chars:end], end
+                    cached = out.num_cached_tokens
                     if out.finished:
                         reason = out.finish_reason or "stop"
                         self.metrics.finished(reason, now - arrival, out.compression_ratio)
-                        yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio)
+                        yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio,
+                                    cached)  # fmt: skip
                         return
                     if new_tokens > 0:  # one chunk per step, like OpenAI's chunk per token
-                        yield Chunk(text, sent_tokens, n_prompt)
+                        yield Chunk(text, sent_tokens, n_prompt, cached_tokens=cached)
         except Exception as exc:
             reason = "error"
             logger.warning("request %s failed: %s", req.request_id, exc)

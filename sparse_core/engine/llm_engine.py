@@ -52,9 +52,12 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
-    kv_blocks: dict[str, dict[str, int]]  # group -> {"total", "used", "free"}
+    kv_blocks: dict[str, dict[str, int]]  # group -> {"total", "used", "free", "cached"}
     # This process's peak on the GPU since it started, CUDA context included; None off CUDA.
     gpu_memory_peak_bytes: int | None = None
+    # Prefill tokens admissions asked for, and found in the prefix cache, since the start.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -294,6 +297,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             kv_blocks=self.block_manager.usage(),
             gpu_memory_peak_bytes=self.gpu_memory.read(),
+            prefix_cache_queries=self.block_manager.prefix_cache_queries,
+            prefix_cache_hits=self.block_manager.prefix_cache_hits,
         )
 
     def check_invariants(self) -> None:

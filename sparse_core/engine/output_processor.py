@@ -108,6 +108,7 @@ class OutputProcessor:
             kv_tokens_per_group=kept,
             compression_ratio=prompt_token_layers / kept_token_layers if kept_token_layers else 1.0,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
         )

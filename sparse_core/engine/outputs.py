@@ -23,6 +23,8 @@ class RequestOutput:
     kv_tokens_per_group: dict[str, int] = field(default_factory=dict)
     compression_ratio: float = 1.0
     num_preemptions: int = 0
+    # Prompt tokens found in the prefix cache (vLLM's name; the most any admission found).
+    num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
