@@ -44,6 +44,12 @@
 #                  use vLLM's CUDA graphs by default)
 #   vllm-plugin-fp8 the same with FP8 weights and an FP8 KV cache in both engines
 #                  (quantization=fp8, kv_cache_dtype=fp8): vLLM fp8/fp8 beside the plugin fp8/fp8
+#   prefix-cache   the shared-prefix workload (every prompt starts with the same $SHARED_PREFIX_LEN
+#                  tokens, default 3500), FP8 weights + KV, 24 GB cap: snapkv and dense with the
+#                  prefix cache (the default), snapkv without it; then unique prompts, snapkv with
+#                  and without it (what the cache costs when nothing is shared)
+#   vllm-prefix-cache stock vLLM fp8/fp8 with its prefix cache on the same shared-prefix prompts,
+#                  and on unique prompts (python -m sparse_core.bench.vllm_plugin --engines stock)
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out): each
 # step's GPU memory peak, its processes together (sparse_core.bench.gpu_watch), in
@@ -250,6 +256,34 @@ vllm_plugin_bench() {
 step_vllm-plugin() { vllm_plugin_bench vllm_plugin; }
 step_vllm-plugin-fp8() {
     vllm_plugin_bench vllm_plugin_fp8 --engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8
+}
+
+step_prefix-cache() {
+    local fp8="--quantization fp8 --kv-cache-dtype fp8 --gpu-memory-limit-gb 24"
+    local shared="--shared-prefix-len ${SHARED_PREFIX_LEN:-3500}"
+    # shellcheck disable=SC2086  # flag lists
+    python3 -m sparse_core.cli bench throughput --policies snapkv,dense $fp8 $shared \
+        --num-prompts "$NUM_PROMPTS" --json "$OUT/prefix_cache_shared.json" \
+        2>"$OUT/prefix_cache_shared.log"
+    python3 -m sparse_core.cli bench throughput --policies snapkv $fp8 $shared \
+        --no-enable-prefix-caching --num-prompts "$NUM_PROMPTS" \
+        --json "$OUT/prefix_cache_shared_off.json" 2>"$OUT/prefix_cache_shared_off.log"
+    python3 -m sparse_core.cli bench throughput --policies snapkv $fp8 \
+        --num-prompts "$NUM_PROMPTS" --json "$OUT/prefix_cache_unique.json" \
+        2>"$OUT/prefix_cache_unique.log"
+    python3 -m sparse_core.cli bench throughput --policies snapkv $fp8 --no-enable-prefix-caching \
+        --num-prompts "$NUM_PROMPTS" --json "$OUT/prefix_cache_unique_off.json" \
+        2>"$OUT/prefix_cache_unique_off.log"
+}
+
+step_vllm-prefix-cache() {
+    local fp8="--engine-arg quantization=fp8 --engine-arg kv_cache_dtype=fp8"
+    # shellcheck disable=SC2086  # flag lists
+    vllm_plugin_bench vllm_prefix_cache_shared --engines stock $fp8 \
+        --engine-arg enable_prefix_caching=true --shared-prefix-len "${SHARED_PREFIX_LEN:-3500}"
+    # shellcheck disable=SC2086
+    vllm_plugin_bench vllm_prefix_cache_unique --engines stock $fp8 \
+        --engine-arg enable_prefix_caching=true
 }
 
 step_vllm-uncapped() {

@@ -300,7 +300,7 @@ class EngineConfig:
         False, "prefill a prompt that does not fit a step in chunks over several steps"
     )
     enable_prefix_caching: bool = option(
-        False, "keep prompts' full KV blocks after prefill and start later prefills after them"
+        True, "keep prompts' full KV blocks after prefill and start later prefills after them"
     )
     space_admissions: bool = option(
         False,

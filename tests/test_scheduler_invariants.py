@@ -1,6 +1,7 @@
-"""Randomised workloads: arrivals, aborts, preemptions and stops never leak or share a block,
-with whole prompts, prompts split by compress_prefix_len and prompts prefilled in chunks; and a preempted split request
-recomputes to the same output."""
+"""Randomised workloads: arrivals, aborts, preemptions, stops and prefix cache hits and
+evictions never leak a block or hold one more or less often than its sequences do, with whole
+prompts, prompts split by compress_prefix_len and prompts prefilled in chunks; and a preempted
+split request recomputes to the same output."""
 
 from __future__ import annotations
 
@@ -20,10 +21,24 @@ SPARSITIES = {
 }
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
-@pytest.mark.parametrize("name", list(SPARSITIES))
-def test_random_workload_keeps_every_pool_consistent(name, chunked):
+# Every policy with the prefix cache (the default); without it, a whole group and a sparse one.
+WORKLOADS = [(name, chunked, True) for name in SPARSITIES for chunked in (False, True)] + [
+    (name, chunked, False) for name in ("dense", "snapkv") for chunked in (False, True)
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "chunked", "caching"),
+    WORKLOADS,
+    ids=[
+        f"{n}-{'chunked' if c else 'whole'}-{'cache' if p else 'no-cache'}" for n, c, p in WORKLOADS
+    ],
+)
+def test_random_workload_keeps_every_pool_consistent(name, chunked, caching):
     rng = random.Random(zlib.crc32(name.encode()))  # hash() of a str differs per process
+    # Half the prompts start with one of three documents: prefix cache hits, and evictions
+    # (the cache holds what the running sequences leave free).
+    documents = [[rng.randrange(1, 500) for _ in range(n)] for n in (32, 64, 96)]
     llm = LLM(
         "dummy:tiny",
         sparsity=SPARSITIES[name],
@@ -36,12 +51,14 @@ def test_random_workload_keeps_every_pool_consistent(name, chunked):
         kv_cache_memory_gb=0.0006,
         expected_input_len=150,
         expected_output_len=20,
+        enable_prefix_caching=caching,
     )
     engine = llm.engine
     submitted, finished, aborted, split = 0, {}, set(), set()
     for _ in range(400):
         if submitted < 60 and rng.random() < 0.7:
-            prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(5, 200))]
+            prompt = rng.choice(documents) if rng.random() < 0.5 else []
+            prompt = prompt + [rng.randrange(1, 500) for _ in range(rng.randrange(5, 120))]
             # A third of the requests compress only a prefix and are fed the rest token by token.
             prefix = rng.randrange(1, len(prompt) + 1) if rng.random() < 0.33 else None
             params = SamplingParams(
@@ -79,6 +96,11 @@ def test_random_workload_keeps_every_pool_consistent(name, chunked):
         assert out.first_token_time is not None
     for pool in engine.block_manager.pools:
         assert pool.num_free == pool.num_blocks
+    hits = engine.block_manager.prefix_cache_hits
+    if not caching:
+        assert hits == 0
+    elif name != "pyramid":  # its smallest pool (17 blocks) is too full here to cache a prompt
+        assert hits > 0
 
 
 def test_a_preempted_split_request_gives_the_output_it_gives_alone():

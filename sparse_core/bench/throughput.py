@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from sparse_core.bench.workload import calibrated_shape, random_prompt
+from sparse_core.bench.workload import bench_prompts, calibrated_shape, random_prompt
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.device import use_one_host_thread
 from sparse_core.engine.gpu_memory import (
@@ -47,6 +47,8 @@ class RunResult:
     tpot_p50_s: float
     peak_running: int
     num_preemptions: int
+    # Of the prefill tokens admitted (the warm-up's included), those found in the prefix cache.
+    prefix_cache_hit_rate: float
     kv_blocks: dict[str, int]  # blocks per layer group
     kv_cache_gib: float
     # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
@@ -127,6 +129,7 @@ def run_one(
     input_len: int,
     output_len: int,
     bandwidth: float,
+    shared_prefix_len: int = 0,
     seed: int = 0,
 ) -> RunResult:
     on_gpu = torch.cuda.is_available()
@@ -137,9 +140,10 @@ def run_one(
     vocab = engine.model_config.vocab_size
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    prompts = [random_prompt(rng, vocab, input_len) for _ in range(num_prompts)]
-    # Warm-up: one short request compiles the prefill and sampling paths.
-    engine.add_request("warmup", prompts[0][:256], SamplingParams(max_tokens=4))
+    prompts = bench_prompts(rng, vocab, num_prompts, input_len, shared_prefix_len)
+    # Warm-up: one short request of its own (it shares nothing with the prompts) compiles the
+    # prefill and sampling paths.
+    engine.add_request("warmup", random_prompt(rng, vocab, 256), SamplingParams(max_tokens=4))
     while engine.has_unfinished:
         engine.step()
     engine.step_records = []
@@ -186,6 +190,9 @@ def run_one(
         tpot_p50_s=round(percentile(tpot, 0.5), 4),
         peak_running=peak,
         num_preemptions=stats.num_preemptions,
+        prefix_cache_hit_rate=round(stats.prefix_cache_hits / stats.prefix_cache_queries, 3)
+        if stats.prefix_cache_queries
+        else 0.0,
         kv_blocks={g: b["total"] for g, b in stats.kv_blocks.items()},
         kv_cache_gib=round(
             sum(
@@ -237,6 +244,7 @@ def print_table(results: list[RunResult]) -> None:
         print(
             f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
+            f"{r.prefix_cache_hit_rate:>11.0%}"
             f"{r.kv_cache_gib:>7.1f}{peak:>9}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
             f"{'/'.join(f'{t:.1f}' for t in r.time_split_s.values()):>36}"
             f"{'/'.join(f'{t:.1f}' for t in r.launch_s.values()):>26}"
@@ -264,6 +272,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=128)
     parser.add_argument("--input-len", type=int, default=4000)
     parser.add_argument("--output-len", type=int, default=500)
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="prompt tokens every prompt shares at its start (the prefix cache's workload)",
+    )
     parser.add_argument(
         "--profile-model",
         default="smollm2-135m-instruct",
@@ -332,6 +346,7 @@ def main(args: argparse.Namespace) -> int:
             args.input_len,
             args.output_len,
             bandwidth,
+            args.shared_prefix_len,
         )
         results.append(result)
         print(json.dumps(asdict(result)), file=sys.stderr, flush=True)

@@ -3,7 +3,7 @@ with vLLM's own KV accounting while the sequences run.
 
     python -m sparse_core.bench.vllm_plugin [--engines stock,plugin] [--model dummy:llama3-8b]
         [--gpu-memory-utilization 0.17] [--num-prompts 128] [--input-len 4000]
-        [--output-len 500] [--policy snapkv --budget 512 --full-layers 3]
+        [--output-len 500] [--shared-prefix-len 0] [--policy snapkv --budget 512 --full-layers 3]
         [--engine-arg KEY=VALUE ...] [--plugin-arg KEY=VALUE ...] [--engine-in-process]
         [--json OUT.json]
 
@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from sparse_core.bench.gpu_watch import GIB, DeviceMemoryWatch, nvml_available
-from sparse_core.bench.workload import random_prompt, sparsity_for
+from sparse_core.bench.workload import bench_prompts, sparsity_for
 from sparse_core.config import SparsityConfig
 from sparse_core.models.loader import load_model_source
 
@@ -74,7 +74,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     sparsity = sparsity_for(args.policy, args.budget, args.window, args.full_layers)
     vocab = load_model_source(args.model).config.vocab_size
     rng = random.Random(args.seed)
-    prompts = [random_prompt(rng, vocab, args.input_len) for _ in range(args.num_prompts)]
+    prompts = bench_prompts(rng, vocab, args.num_prompts, args.input_len, args.shared_prefix_len)
     engine_args = {
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_model_len": args.input_len + args.output_len,
@@ -221,6 +221,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--input-len", type=int, default=4000)
     p.add_argument("--output-len", type=int, default=500)
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="prompt tokens every prompt shares at its start (with --engine-arg "
+        "enable_prefix_caching=true: vLLM's prefix cache)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--policy", default="snapkv", help="the plugin's policy")
     p.add_argument("--budget", type=int, default=512)

@@ -48,6 +48,19 @@ def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]
     return [rng.randrange(vocab_size) for _ in range(length)]
 
 
+def bench_prompts(
+    rng: random.Random, vocab_size: int, count: int, length: int, shared_prefix_len: int = 0
+) -> list[list[int]]:
+    """`count` random prompts of `length` tokens, the first `shared_prefix_len` of them the same
+    in all (a document or system prompt that every request sends, then its own part)."""
+    if not 0 <= shared_prefix_len <= length:
+        raise ValueError(f"the shared prefix ({shared_prefix_len}) must fit the prompt ({length})")
+    shared = random_prompt(rng, vocab_size, shared_prefix_len)
+    return [
+        shared + random_prompt(rng, vocab_size, length - shared_prefix_len) for _ in range(count)
+    ]
+
+
 def start_decoding(engine: LLMEngine, count: int, input_len: int, rng: random.Random) -> int:
     """Add `count` prompts of `input_len` random tokens that keep decoding, and step until each
     is admitted or a step admits none (the KV cache is full); returns how many are running."""

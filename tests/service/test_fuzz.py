@@ -27,6 +27,7 @@ from sparse_core import EngineConfig
 from tests.service.servers import MODEL, SPARSE, Server, metric_sum, standalone, wait_for
 
 FUZZ_EXAMPLES = int(os.environ.get("KVSPARSE_FUZZ_EXAMPLES", "40"))
+pytestmark = pytest.mark.timeout(max(900, 3 * FUZZ_EXAMPLES))  # the long run takes its time
 HEALTH_LATENCY_S = 0.5
 MAX_MODEL_LEN = 128  # every request that is served ends within this many tokens
 
