@@ -152,6 +152,12 @@ class BlockManager:
             for group in self.groups
         ]
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached block (none may be in use) and the hit counts."""
+        for pool in self.pools:
+            pool.clear_cache()
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+
     def end_prefill(self, seq: Sequence) -> None:
         """After a prefill's last token, every group keeps only the blocks of its kept tokens.
         A caching prefill's full blocks become findable in every group, and a compressing

@@ -113,6 +113,14 @@ class BlockPool:
             self._hash_of[block] = block_hash
             self._block_of[block_hash] = block
 
+    def clear_cache(self) -> None:
+        """Every cached block back to the free list, every hash forgotten (no block in use)."""
+        assert not self._refs, "clearing the cache while blocks are in use"
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
     def check(self) -> None:
         """Free, used and cached blocks partition the pool; the hash maps agree; every cached
         block has a hash."""

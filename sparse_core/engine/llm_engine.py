@@ -136,6 +136,8 @@ class LLMEngine:
         self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
+        if config.enable_prefix_caching and self.runner.device.type == "cuda":
+            self._warm_up_prefix_hits()
         self.gpu_memory = PeakGpuMemoryMeter(self.runner.device)
         logger.info(
             "engine ready: model %s on %s (%s), groups %s",
@@ -144,6 +146,18 @@ class LLMEngine:
             self.runner.dtype,
             {g.name: (len(g.layers), n) for g, n in zip(self.plan.groups, blocks, strict=True)},
         )
+
+    def _warm_up_prefix_hits(self) -> None:
+        """A prompt twice, the second time from its cached blocks: the kernels of a prefill
+        that starts after cached tokens are compiled now, not at a server's first cache hit
+        (about a second then, with the device idle). The cache is emptied afterwards."""
+        length = min(self.config.max_model_len - 1, 2048)
+        prompt = [1 + i % (self.model_config.vocab_size - 1) for i in range(length)]
+        for i in range(2):
+            self.add_request(f"kvsparse-warm-up-{i}", prompt, SamplingParams(max_tokens=1))
+            while self.has_unfinished:
+                self.step()
+        self.block_manager.clear_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any, and close the step log; the engine cannot
