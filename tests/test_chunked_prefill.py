@@ -85,15 +85,20 @@ def test_the_last_chunk_holds_the_observation_window():
     assert prefills == [97, 8]
 
 
-def test_a_chunked_prompt_holds_all_its_blocks_until_its_last_chunk():
-    llm = _tiny(max_num_batched_tokens=100, kv_cache_memory_gb=0.001)
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
+def test_a_chunked_prompt_holds_all_its_blocks_until_its_last_chunk(caching):
+    """With the prefix cache the sparse group also holds, from the start, the blocks its kept
+    tokens go to (3 for a budget of 40)."""
+    llm = _tiny(max_num_batched_tokens=100, kv_cache_memory_gb=0.001,
+                enable_prefix_caching=caching)  # fmt: skip
     engine = llm.engine
     engine.add_request("r", list(range(1, 301)), SamplingParams(max_tokens=5, ignore_eos=True))
     full, sparse = engine.plan.groups
     for _ in range(2):  # 300 tokens: chunks of 100, 100 and 100
         assert engine.step() == []  # no token before the last chunk
         used = engine.stats().kv_blocks
-        assert used[full.name]["used"] == used[sparse.name]["used"] == 19  # 300 tokens / 16
+        assert used[full.name]["used"] == 19  # 300 tokens / 16
+        assert used[sparse.name]["used"] == 19 + 3 * caching
     outputs = engine.step()
     assert len(outputs) == 1 and len(outputs[0].token_ids) == 1
     used = engine.stats().kv_blocks

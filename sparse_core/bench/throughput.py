@@ -143,7 +143,8 @@ def run_one(
     prompts = bench_prompts(rng, vocab, num_prompts, input_len, shared_prefix_len)
     # Warm-up: one short request of its own (it shares nothing with the prompts) compiles the
     # prefill and sampling paths.
-    engine.add_request("warmup", random_prompt(rng, vocab, 256), SamplingParams(max_tokens=4))
+    warmup = random_prompt(rng, vocab, min(256, input_len))
+    engine.add_request("warmup", warmup, SamplingParams(max_tokens=4))
     while engine.has_unfinished:
         engine.step()
     engine.step_records = []
