@@ -117,7 +117,9 @@ def test_launching_a_prefill_step_does_not_wait_for_the_device():
               kv_cache_memory_gb=0.5, enforce_eager=True)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    engine.add_request("warm-up", list(range(1, 601)), params)
+    # A prompt of the same length, which the next does not start like (a prefix cache hit would
+    # prefill fewer tokens: a matmul shape of its own, whose first run waits for the device).
+    engine.add_request("warm-up", list(range(2, 602)), params)
     while engine.has_unfinished:
         engine.step()
     engine.add_request("compressed", list(range(1, 601)), params)  # 600 tokens > budget 256
