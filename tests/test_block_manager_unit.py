@@ -1,5 +1,6 @@
 """The block manager driven with plain sequences: admission, the shrink after prefill, decode
-growth and freeing, for a whole group and a sparse one."""
+growth and freeing, for a whole group and a sparse one; and the prefix cache's blocks: cached,
+shared, counted as free, evicted least recently used."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ BLOCKS = [40, 12]  # whole group, sparse group
 SPARSITY = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1)
 
 
-def manager() -> BlockManager:
+def manager(caching: bool = False) -> BlockManager:
     retention = KVRetention.build(
         DUMMY_PRESETS["tiny"], EngineConfig(block_size=BLOCK), SPARSITY, torch.float32
     )
-    return BlockManager(retention, BLOCKS, max_num_seqs=4, max_model_len=512)
+    return BlockManager(retention, BLOCKS, max_num_seqs=4, max_model_len=512,
+                        enable_prefix_caching=caching, min_uncached_tokens=8)  # fmt: skip
 
 
 def sequence(name: str, prompt_len: int, **params) -> Sequence:
@@ -108,3 +110,73 @@ def test_forced_prompt_tokens_after_a_compressed_prefix_count_as_kept():
     bm.allocate(seq)
     assert seq.kv_lens == [100, 40]
     assert seq.prompt_kv_lens == [120, 60]  # the 20 forced prompt tokens are kept whole
+
+
+def prefilled(bm: BlockManager, seq: Sequence) -> Sequence:
+    bm.allocate(seq)
+    seq.num_computed_tokens = seq.prefill_len  # the prefill ran
+    bm.end_prefill(seq)
+    return seq
+
+
+def test_a_prefill_that_caches_keeps_its_full_blocks_and_a_hit_starts_after_them():
+    bm = manager(caching=True)
+    first = sequence("a", 100)
+    bm.allocate(first)
+    # Every prefill token in both groups (7 blocks), and the sparse group's kept 40 in 3 more.
+    assert first.caches_prefill and first.kv_lens == [100, 100] and used(bm) == [7, 10]
+    first.num_computed_tokens = 100
+    bm.end_prefill(first)
+    # Its 6 full blocks stay cached in the sparse group; the whole group still uses them.
+    assert used(bm) == [7, 3] and [pool.num_cached for pool in bm.pools] == [0, 6]
+    # 90 tokens: its 5 full blocks before the 8-token window are cached; it takes 1 more block
+    # and 3 for its kept tokens in the sparse group, of the 9 free there (6 of them cached).
+    second = sequence("b", 90)
+    assert bm.num_cached_tokens(second) == 80
+    bm.allocate(second)
+    assert second.num_computed_tokens == 80 and second.num_cached_tokens == 80
+    assert second.block_tables[0][:5] == first.block_tables[0][:5]  # shared in the whole group
+    assert bm.pools[0].refs(first.block_tables[0][0]) == 2
+    bm.check_invariants([first, second])
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (190, 80)
+
+
+def test_cached_blocks_count_as_free_and_leave_least_recently_used_first():
+    bm = manager(caching=True)
+    a = prefilled(bm, sequence("a", 64))  # 4 full blocks cached in the sparse group
+    bm.free(a)
+    assert [pool.num_cached for pool in bm.pools] == [4, 4]
+    assert [pool.num_free for pool in bm.pools] == BLOCKS
+    b = prefilled(bm, Sequence("b", list(range(500, 564)), SamplingParams(), 2))
+    bm.free(b)  # a's blocks are now the least recently used
+    assert [pool.num_cached for pool in bm.pools] == [8, 8]
+    c = Sequence("c", list(range(900, 1000)), SamplingParams(), 2)
+    bm.allocate(c)  # 10 sparse blocks of 12: six cached ones leave, a's four first
+    assert [len(blocks) for blocks in bm.cached_blocks(sequence("a", 64))] == [0, 0]
+    # Then b's last two: a prefix's tail leaves before its head, which the rest still needs.
+    b_again = Sequence("b2", list(range(500, 564)), SamplingParams(), 2)
+    assert [len(blocks) for blocks in bm.cached_blocks(b_again)] == [2, 2]
+    bm.check_invariants([c])
+
+
+def test_a_prefill_without_room_to_cache_runs_as_without_the_cache():
+    bm = manager(caching=True)
+    big = sequence("a", 150)  # caching needs 10 + 3 sparse blocks of 12: no room
+    assert bm.can_allocate(big)
+    bm.allocate(big)
+    assert not big.caches_prefill and big.kv_lens == [150, 40] and used(bm) == [10, 3]
+    big.num_computed_tokens = 150
+    bm.end_prefill(big)
+    assert [pool.num_cached for pool in bm.pools] == [0, 0]
+    bm.check_invariants([big])
+
+
+def test_clearing_the_cache_frees_every_cached_block():
+    bm = manager(caching=True)
+    bm.free(prefilled(bm, sequence("a", 100)))
+    bm.clear_prefix_cache()
+    assert [pool.num_cached for pool in bm.pools] == [0, 0]
+    assert bm.num_cached_tokens(sequence("b", 100)) == 0
+    assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
+    for pool in bm.pools:
+        pool.check()

@@ -175,7 +175,7 @@ class BlockManager:
                 pool.register(table, seq.block_hashes[: n // self.block_size])
             kept_table = seq.kept_tables[g]
             if kept_table is not None:
-                pool.free(table)
+                pool.free(table[::-1])  # a prefix's tail is evicted before its head
                 seq.block_tables[g] = table = kept_table
                 seq.kept_tables[g] = None
                 self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
@@ -217,7 +217,8 @@ class BlockManager:
         """Release the sequence's blocks (those of a prefill that caches stay in the cache only
         once it has ended: a prefill cut short wrote no KV anyone can trust)."""
         for pool, blocks, kept in zip(self.pools, seq.block_tables, seq.kept_tables, strict=True):
-            pool.free(blocks + (kept or []))
+            # Last first: a cached prefix's tail is evicted before the head other prompts share.
+            pool.free((blocks + (kept or []))[::-1])
         self._free_rows.append(seq.table_row)
         seq.reset_cache_state()
 
