@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 
 # Time between cutting the responses still running and cancelling what is left.
 CUT_MARGIN_S = 1.0
+# How long a connection refused by ConnectionLimits stays open to drain what the client still
+# sends, so that it reads the answer.
+LINGER_S = 1.0
 FORCED_EXIT_STATUS = 1
 FAILED_EXIT_STATUS = 1  # an engine died
 
@@ -164,7 +167,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 "connection: close"]  # fmt: skip
         head += [f"{k}: {v}" for k, v in response.headers.items() if k == "retry-after"]
         self.transport.write(("\r\n".join(head) + "\r\n\r\n").encode() + response.body)
-        self.transport.close()
+        # A lingering close, as nginx's: closing with the client's bytes unread would reset the
+        # connection, and a reset can discard the answer before the client reads it. What still
+        # arrives is dropped unread (`data_received`) until the client closes or LINGER_S pass.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
+        else:
+            self.transport.close()
 
 
 class Server(uvicorn.Server):
