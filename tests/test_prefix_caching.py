@@ -13,8 +13,8 @@ from sparse_core.models.loader import load_model_source
 
 RETENTIONS = {
     "dense": SparsityConfig(policy="dense"),
-    "snapkv": SparsityConfig(policy="snapkv", budget=96, window=16, sinks=4, full_layers=2),
-    "pyramid": SparsityConfig(policy="pyramid", budget=96, window=16, sinks=4, full_layers=2),
+    "snapkv": SparsityConfig(policy="snapkv", budget=160, window=16, sinks=4, full_layers=2),
+    "pyramid": SparsityConfig(policy="pyramid", budget=160, window=16, sinks=4, full_layers=2),
     "calibrated-4x": SparsityConfig(policy="snapkv", window=16, sinks=4,
                                     layer_budgets="auto", target_compression=4),
 }  # fmt: skip
@@ -30,7 +30,7 @@ def source():
 @pytest.fixture(scope="module")
 def prompts(source) -> tuple[list[int], list[list[int]], str]:
     """A pass-key prompt; it again and one with the same context and another question; the key."""
-    sample = TaskBuilder(source.tokenizer, seed=3).build("passkey", LENGTH, 1)[0]
+    sample = TaskBuilder(source.tokenizer, seed=1).build("passkey", LENGTH, 1)[0]
     context = sample.prompt_ids[: sample.context_len]
     tail = "\n\nTell me the pass key.<|im_end|>\n<|im_start|>assistant\nThe pass key is"
     other = context + source.tokenizer.encode(tail, add_special_tokens=False)

@@ -17,9 +17,10 @@ from tests.deploy.helpers import CHART, ROOT, render, run_helm
 
 DASHBOARD = ROOT / "dashboards" / "kvsparse.json"
 
-# What the service exports in Ray mode (Ray prefixes `ray_`), with histogram series suffixes.
+# What the service exports in Ray mode (Ray prefixes `ray_`, and takes no `:` in a name), with
+# histogram series suffixes.
 OUR_SERIES = {
-    f"ray_{d.name}{suffix}"
+    f"ray_{d.name.replace(':', '_')}{suffix}"
     for d in DEFINITIONS
     for suffix in (("_bucket", "_sum", "_count") if d.kind == "histogram" else ("",))
 }
@@ -74,7 +75,8 @@ def test_dashboard_structure() -> None:
     assert len(ids) == len(set(ids))
     titles = " ".join(p["title"].lower() for p in dash["panels"])
     for topic in ("prompt", "generation", "first token", "inter-token", "running", "kv usage",
-                  "compression", "preemption", "reason", "replicas", "gpu memory"):  # fmt: skip
+                  "compression", "preemption", "reason", "replicas", "gpu memory",
+                  "prefix cache"):  # fmt: skip
         assert topic in titles, topic
     for panel in dash["panels"]:
         assert panel["targets"], panel["title"]
