@@ -154,7 +154,11 @@ class LLMEngine:
         length = min(self.config.max_model_len - 1, 2048)
         prompt = [1 + i % (self.model_config.vocab_size - 1) for i in range(length)]
         for i in range(2):
-            self.add_request(f"kvsparse-warm-up-{i}", prompt, SamplingParams(max_tokens=1))
+            try:
+                self.add_request(f"kvsparse-warm-up-{i}", prompt, SamplingParams(max_tokens=1))
+            except ValueError as exc:  # a cache too small for it: the first hit compiles them
+                logger.info("prefix cache warm-up skipped: %s", exc)
+                break
             while self.has_unfinished:
                 self.step()
         self.block_manager.clear_prefix_cache()
