@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_core.cache.block_pool import BlockPool, prefix_hashes
+from sparse_core.cache.block_pool import BlockHash, BlockPool, prefix_hashes
 from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.engine.sequence import Sequence
 
@@ -71,14 +71,19 @@ class BlockManager:
         compute (empty lists when caching is off)."""
         if not self.enable_prefix_caching:
             return [[] for _ in self.pools]
-        n = seq.num_prefill_tokens
-        usable = max(n - self.min_uncached_tokens, 0) // self.block_size
-        prefix_hashes(seq.token_ids[: usable * self.block_size], self.block_size,
-                      seq.block_hashes)  # fmt: skip
-        hashes = seq.block_hashes[:usable]
+        usable = max(seq.num_prefill_tokens - self.min_uncached_tokens, 0) // self.block_size
+        hashes = self._block_hashes(seq, usable)
         found = [pool.cached_prefix(hashes) for pool in self.pools]
         common = min(map(len, found))
         return [blocks[:common] for blocks in found]
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The prefix hashes of the sequence's first `num_blocks` full blocks, each computed
+        once in its life (`Sequence.block_hashes`)."""
+        if len(seq.block_hashes) < num_blocks:
+            bs = self.block_size
+            prefix_hashes(seq.token_ids[: num_blocks * bs], bs, seq.block_hashes)
+        return seq.block_hashes[:num_blocks]
 
     def _new_blocks(self, seq: Sequence, chunked: bool, num_cached: int | None) -> list[int]:
         """Per group, the blocks an admission takes: caching (num_cached: tokens found in the
@@ -166,13 +171,11 @@ class BlockManager:
         compressing group's kept tokens to the front of its blocks; a whole prefill holds no
         more already."""
         n = seq.prefill_len
-        if seq.caches_prefill:
-            prefix_hashes(seq.token_ids[:n], self.block_size, seq.block_hashes)
+        hashes = self._block_hashes(seq, n // self.block_size) if seq.caches_prefill else []
         for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
             kept = group.tokens_after_prefill(n)
             table = seq.block_tables[g]
-            if seq.caches_prefill:
-                pool.register(table, seq.block_hashes[: n // self.block_size])
+            pool.register(table, hashes)
             kept_table = seq.kept_tables[g]
             if kept_table is not None:
                 pool.free(table[::-1])  # a prefix's tail is evicted before its head

@@ -159,9 +159,8 @@ def _kept(
         keep &= (top_k[:, None] == 0) | (rank[None, :] < top_k[:, None])
     if top_p is not None:
         probs = ranked.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p. The most likely
-        # has nothing above it, and stays even for a top_p that float32 rounds to 0.
+        # Drop a token when the tokens ranked above it already cover top_p.
         above = probs.cumsum(dim=-1) - probs
-        first = torch.arange(ranked.shape[-1], device=ranked.device) == 0
-        keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1) | first[None, :]
+        keep &= (above < top_p[:, None]) | (top_p[:, None] >= 1)
+        keep[:, 0] = True  # the most likely, even for a top_p that float32 rounds to 0
     return torch.empty_like(keep).scatter_(-1, order, keep)
