@@ -30,7 +30,9 @@ def sample(setting: Setting, default: Any) -> Any:
     if setting.name in SPECIAL:
         value = SPECIAL[setting.name]
     elif setting.choices:
-        value = next(c for c in setting.choices if c != default)
+        others = [c for c in setting.choices if c != default]
+        # An optional field's only choice (quantization fp8, the chart's default): None.
+        value = others[0] if others else None
     elif setting.is_bool:
         value = not default
     elif setting.members == (int,):

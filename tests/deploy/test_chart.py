@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import gzip
 import importlib
@@ -192,6 +193,39 @@ def test_serve_runs_at_the_engines_capacity(
         (container,) = pod["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert SERVE_ENVIRONMENT.items() <= env.items(), container["name"]
+
+
+def test_defaults_serve_fp8_at_the_kv_caches_capacity_with_a_key(helm: str) -> None:
+    """What `helm install` with nothing set runs: FP8 weights and KV cache, enough sequence slots
+    that the KV cache bounds admission rather than max_num_seqs, and an API key from a Secret the
+    chart generates (random, kept on upgrades), the same Secret for the ingress and `helm
+    test`."""
+    from service.ray_app import RayAppConfig
+
+    docs = render(helm, {})
+    (rs,) = by_kind(docs, "RayService")
+    engine = RayAppConfig.from_dict(serve_app(rs)["args"]).engine_config()
+    assert (engine.quantization, engine.kv_cache_dtype) == ("fp8", "fp8")
+    assert engine.max_num_seqs >= 128
+    (secret,) = by_kind(docs, "Secret")
+    key = base64.b64decode(secret["data"]["api-key"]).decode()
+    assert len(key) >= 32 and key.isalnum()
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    (ref,) = [
+        e["valueFrom"]["secretKeyRef"] for e in head["env"] if e["name"] == "KVSPARSE_API_KEY"
+    ]
+    assert ref == {"name": secret["metadata"]["name"], "key": "api-key"}
+    test_pod = by_kind(
+        render(helm, {}, "--show-only", "templates/tests/test-openai-request.yaml"), "Pod"
+    )
+    assert "Bearer $KVSPARSE_API_KEY" in json.dumps(test_pod)
+    # Two renders (an install and an upgrade without a cluster to read back from) draw new keys;
+    # with generate off and no Secret named, no key at all.
+    assert by_kind(render(helm, {}), "Secret")[0]["data"] != secret["data"]
+    open_docs = render(helm, {"serve": {"apiKeySecret": {"generate": False}}})
+    assert not by_kind(open_docs, "Secret")
+    assert "KVSPARSE_API_KEY" not in json.dumps(open_docs)
 
 
 def test_default_pod_placement(helm: str) -> None:

@@ -30,6 +30,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{ .Values.model.servedModelName | default .Values.model.hfRepo | default .Values.model.path }}
 {{- end }}
 
+{{/* The Secret holding the OpenAI API key: the one named, else the one the chart generates
+(templates/api-key-secret.yaml), else none (generate: false, an endpoint without a key). */}}
+{{- define "kvsparse.apiKeySecretName" -}}
+{{- if .Values.serve.apiKeySecret.name }}
+{{- .Values.serve.apiKeySecret.name }}
+{{- else if .Values.serve.apiKeySecret.generate }}
+{{- include "kvsparse.fullname" . }}-api-key
+{{- end }}
+{{- end }}
+
 {{/* The Serve application's arguments: service.ray_app.RayAppConfig fields. */}}
 {{- define "kvsparse.serveArgs" -}}
 {{- $engine := merge (dict "tensor_parallel_size" (int .Values.tensorParallelSize)) (deepCopy .Values.engine) -}}
@@ -78,12 +88,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
       name: {{ .Values.model.hfTokenSecret.name }}
       key: {{ .Values.model.hfTokenSecret.key }}
 {{- end }}
-{{- if .Values.serve.apiKeySecret.name }}
+{{- with include "kvsparse.apiKeySecretName" . }}
 - name: KVSPARSE_API_KEY
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.serve.apiKeySecret.name }}
-      key: {{ .Values.serve.apiKeySecret.key }}
+      name: {{ . }}
+      key: {{ $.Values.serve.apiKeySecret.key }}
 {{- end }}
 {{- range $k, $v := .Values.serve.rayServeEnv }}
 - name: {{ $k }}
