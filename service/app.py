@@ -226,6 +226,7 @@ def build_app(
                         repetition_penalty=req.repetition_penalty,
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
+                        return_token_ids=req.return_token_ids,
                         **prompt,
                     )
                 )
@@ -243,6 +244,9 @@ def build_app(
             choice.completion_tokens = chunk.num_tokens
             choice.prompt_tokens = chunk.prompt_tokens
             choice.cached_tokens = chunk.cached_tokens
+            choice.token_ids += chunk.token_ids
+            if chunk.prompt_token_ids is not None:
+                choice.prompt_token_ids = chunk.prompt_token_ids
             if chunk.finish_reason is not None:
                 choice.finish_reason = chunk.finish_reason
                 choice.compression_ratio = chunk.compression_ratio
@@ -255,7 +259,7 @@ def build_app(
                 async with contextlib.aclosing(merge(streams)) as chunks:
                     async for index, chunk in chunks:
                         choice = take(index, chunk)
-                        yield _sse(fmt.chunk(choice, chunk.text, chunk.finish_reason))
+                        yield _sse(fmt.chunk(choice, chunk))
                 if include_usage:
                     yield _sse(fmt.usage_chunk(choices))
                 yield "data: [DONE]\n\n"
@@ -291,14 +295,14 @@ def build_app(
         authorize(request)
         req = parse(CompletionRequest, await read_body(request))
         prompts = [{"prompt": p} for p in req.prompts()]
-        return await generate(request, req, prompts, req.max_tokens, CompletionFormat(req.model))
+        return await generate(request, req, prompts, req.max_tokens, CompletionFormat(req.model, req.return_token_ids))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         req = parse(ChatCompletionRequest, await read_body(request))
         prompts = [{"messages": req.template_messages()}]
-        return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model))
+        return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model, req.return_token_ids))
 
     card = {
         "id": settings.served_model_name,

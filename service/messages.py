@@ -25,6 +25,8 @@ class GenerateRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's `return_token_ids`: chunks carry the token ids (the prompt's in the first).
+    return_token_ids: bool = False
 
 
 @dataclass
@@ -38,6 +40,10 @@ class Chunk:
     finish_reason: str | None = None
     compression_ratio: float = 1.0
     cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # With GenerateRequest.return_token_ids: the ids of the new tokens, and the prompt's ids in
+    # the first chunk that carries tokens.
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk and the one after it, as one."""
@@ -48,6 +54,8 @@ class Chunk:
             later.finish_reason,
             later.compression_ratio,
             later.cached_tokens,
+            self.token_ids + later.token_ids,
+            self.prompt_token_ids if self.prompt_token_ids is not None else later.prompt_token_ids,
         )
 
 

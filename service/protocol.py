@@ -92,6 +92,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    # Each choice carries `token_ids` (the generated ids; in a stream, each chunk's new ones)
+    # and `prompt_token_ids` (in a stream, in the choice's first chunk with tokens).
+    return_token_ids: bool = False
     kvsparse: KVSparseOptions | None = None
 
     def unsupported(self) -> list[str]:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from service.messages import Chunk
 
 
 @dataclass
@@ -20,6 +23,8 @@ class Choice:
     completion_tokens: int = 0
     compression_ratio: float = 1.0
     cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
@@ -50,10 +55,17 @@ class CompletionFormat:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, return_token_ids: bool = False) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
+        self.return_token_ids = return_token_ids
+
+    def _token_ids(self, token_ids: list[int], prompt_token_ids: list[int] | None) -> dict:
+        """vLLM's `return_token_ids` fields of a choice, when the request asked for them."""
+        if not self.return_token_ids:
+            return {}
+        return {"prompt_token_ids": prompt_token_ids, "token_ids": token_ids}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -67,15 +79,16 @@ class CompletionFormat:
     def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def chunk(self, choice: Choice, chunk: Chunk) -> dict[str, Any]:
         return self._envelope(
             self.object,
             [
                 {
                     "index": choice.index,
-                    "text": text,
+                    "text": chunk.text,
                     "logprobs": None,
-                    "finish_reason": finish_reason,
+                    "finish_reason": chunk.finish_reason,
+                    **self._token_ids(chunk.token_ids, chunk.prompt_token_ids),
                 }
             ],
         )
@@ -93,6 +106,7 @@ class CompletionFormat:
             "text": c.text,
             "logprobs": None,
             "finish_reason": c.finish_reason,
+            **self._token_ids(c.token_ids, c.prompt_token_ids),
         }
 
 
@@ -118,8 +132,8 @@ class ChatFormat(CompletionFormat):
             for c in choices
         ]
 
-    def chunk(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
-        delta = {"content": text} if text else {}
+    def chunk(self, choice: Choice, chunk: Chunk) -> dict[str, Any]:
+        delta = {"content": chunk.text} if chunk.text else {}
         return self._envelope(
             self.chunk_object,
             [
@@ -127,7 +141,8 @@ class ChatFormat(CompletionFormat):
                     "index": choice.index,
                     "delta": delta,
                     "logprobs": None,
-                    "finish_reason": finish_reason,
+                    "finish_reason": chunk.finish_reason,
+                    **self._token_ids(chunk.token_ids, chunk.prompt_token_ids),
                 }
             ],
         )
@@ -141,4 +156,5 @@ class ChatFormat(CompletionFormat):
             "message": {"role": "assistant", "content": c.text},
             "logprobs": None,
             "finish_reason": c.finish_reason,
+            **self._token_ids(c.token_ids, c.prompt_token_ids),
         }

@@ -102,6 +102,10 @@ class EngineWorker:
                         gap = now - last_token_time if last_token_time is not None else None
                         self.metrics.tokens(new_tokens, gap)
                         last_token_time = now
+                    # vLLM's return_token_ids: the prompt's ids go with the first token's.
+                    ids = req.return_token_ids
+                    new_ids = list(out.token_ids[sent_tokens:]) if ids else []
+                    prompt_out = list(prompt_ids) if ids and sent_tokens == 0 else None
                     sent_tokens = len(out.token_ids)
                     end = len(out.text) if out.finished else max(sent_chars, len(out.text) - hold)
                     text, sent_chars = out.text[sent_chars:end], end
@@ -110,10 +114,11 @@ class EngineWorker:
                         reason = out.finish_reason or "stop"
                         self.metrics.finished(reason, now - arrival, out.compression_ratio)
                         yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio,
-                                    cached)  # fmt: skip
+                                    cached, new_ids, prompt_out)  # fmt: skip
                         return
                     if new_tokens > 0:  # one chunk per step, like OpenAI's chunk per token
-                        yield Chunk(text, sent_tokens, n_prompt, cached_tokens=cached)
+                        yield Chunk(text, sent_tokens, n_prompt, cached_tokens=cached,
+                                    token_ids=new_ids, prompt_token_ids=prompt_out)  # fmt: skip
         except Exception as exc:
             reason = "error"
             logger.warning("request %s failed: %s", req.request_id, exc)

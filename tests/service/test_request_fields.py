@@ -163,3 +163,28 @@ def test_special_token_text_in_a_message_is_plain_text(client, dense_llm):
     # Without special-token text, the prompt is the template's text tokenized whole, as before.
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert plain == tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompt_and_generated_ids(client, dense_llm, stream):
+    """vLLM's `return_token_ids`: what a client that carries a conversation on in token ids
+    (the multi-turn load of `kvsparse bench serve`) sends back as the next prompt."""
+    prompt = dense_llm.tokenizer.encode("The capital of France is")
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+              "extra_body": {"return_token_ids": True, "ignore_eos": True}}  # fmt: skip
+    if stream:
+        chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+        token_ids = [t for c in chunks for t in c.token_ids]
+        prompt_ids = [c.prompt_token_ids for c in chunks if c.prompt_token_ids is not None]
+        text = "".join(c.text for c in chunks)
+        assert len(prompt_ids) == 1  # in the first chunk with tokens only
+        prompt_ids = prompt_ids[0]
+    else:
+        choice = client.completions.create(**kwargs).choices[0]
+        token_ids, prompt_ids, text = choice.token_ids, choice.prompt_token_ids, choice.text
+    expected = dense_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0,
+                                                         ignore_eos=True))[0]  # fmt: skip
+    assert prompt_ids == prompt
+    assert token_ids == expected.token_ids and text == expected.text
+    plain = client.completions.create(**{**kwargs, "extra_body": {}}).choices[0]
+    assert getattr(plain, "token_ids", None) is None
