@@ -16,7 +16,7 @@ import contextlib
 import multiprocessing as mp
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 # A process keeps up with this many streaming clients with room to spare (~0.2 s of CPU per
@@ -35,6 +35,10 @@ class RequestResult:
     client: int = 0  # closed loop: which client sent it; open loop: its arrival order
     round: int = 0  # which of its client's requests (0 = the first, sent by all clients at once)
     process: int = 0  # which load generator process sent it
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens (0 if not reported)
+    turn: int = 0  # of its conversation (0: the first)
+    # With ClientSettings.return_token_ids: the generated token ids.
+    token_ids: list[int] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -44,6 +48,9 @@ class ClientSettings:
     model: str
     output_len: int
     timeout: float
+    # Ask for the generated ids (vLLM's return_token_ids): a conversation's next turn sends them
+    # back as the server's answer.
+    return_token_ids: bool = False
 
     def client(self):
         from openai import AsyncOpenAI  # the bench extra's: not imported by `kvsparse serve`
@@ -56,11 +63,20 @@ class ClientSettings:
 class ClientJob:
     """One client's requests, each sent when the one before it has finished, the first `at`
     seconds after the level starts (closed loop: every client at 0; open loop: one request
-    each, at its arrival time)."""
+    each, at its arrival time).
+
+    Multi-turn (`follow_ups`, one list per prompt): each prompt opens a conversation, and each
+    of its follow-ups is a user turn sent after it as a chat client sends it: the conversation
+    so far (the previous turn's prompt and the server's answer to it, as token ids) followed by
+    the new turn's tokens."""
 
     client: int
     prompts: list[list[int]]
     at: float = 0.0
+    follow_ups: list[list[list[int]]] = field(default_factory=list)
+
+    def turns(self, index: int) -> list[list[int]]:
+        return self.follow_ups[index] if self.follow_ups else []
 
 
 @dataclass
@@ -70,10 +86,14 @@ class JobsDone:
     end_s: float  # when the last request ended, from the level's start
 
 
-async def one_request(client, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def one_request(
+    client, model: str, prompt: list[int], output_len: int, return_token_ids: bool = False
+) -> RequestResult:
     start = time.perf_counter()
     ttft = None
     usage = None
+    token_ids: list[int] = []
+    extra = {"return_token_ids": True} if return_token_ids else {}
     stream = await client.completions.create(
         model=model,
         # The token ids go in extra_body, which the client sends as is: as `prompt` it would
@@ -85,18 +105,28 @@ async def one_request(client, model: str, prompt: list[int], output_len: int) ->
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"prompt": prompt, "ignore_eos": True},
+        extra_body={"prompt": prompt, "ignore_eos": True, **extra},
     )
     async for chunk in stream:
         if ttft is None and chunk.choices:
             ttft = time.perf_counter() - start
+        if return_token_ids and chunk.choices:
+            token_ids += getattr(chunk.choices[0], "token_ids", None) or []
         if chunk.usage is not None:
             usage = chunk.usage
     e2e = time.perf_counter() - start
     if usage is None:
         raise RuntimeError("the server sent no usage (stream_options.include_usage)")
+    if return_token_ids and len(token_ids) != usage.completion_tokens:
+        raise RuntimeError(
+            f"the server returned {len(token_ids)} token ids for {usage.completion_tokens} "
+            f"tokens: multi-turn needs vLLM's return_token_ids (vllm serve, kvsparse serve)"
+        )
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None) or 0
     return RequestResult(ttft if ttft is not None else e2e, e2e, usage.completion_tokens,
-                         usage.prompt_tokens)  # fmt: skip
+                         usage.prompt_tokens, cached_tokens=cached,
+                         token_ids=token_ids)  # fmt: skip
 
 
 # The `openai` client keeps at most this many idle connections open.
@@ -121,21 +151,32 @@ async def run_jobs(
     client, settings: ClientSettings, jobs: list[ClientJob], start_at: float
 ) -> JobsDone:
     """Every job's requests, timed from `start_at` (Unix time: the processes of a level share
-    it); a request that fails is counted as an error and its client goes on."""
+    it); a request that fails is counted as an error and its client goes on (with its next
+    conversation, in multi-turn)."""
     results: list[RequestResult] = []
     errors: list[str] = []
 
     async def run(job: ClientJob) -> None:
         await asyncio.sleep(max(0.0, start_at + job.at - time.time()))
-        for round, prompt in enumerate(job.prompts):
-            start_s = time.time() - start_at
-            try:
-                result = await one_request(client, settings.model, prompt, settings.output_len)
-            except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            result.start_s, result.client, result.round = start_s, job.client, round
-            results.append(result)
+        round = 0
+        for index, first in enumerate(job.prompts):
+            prompt, answer = first, []
+            for turn, user_tokens in enumerate([[], *job.turns(index)]):
+                prompt = prompt + answer + user_tokens  # the conversation so far, the new turn
+                start_s = time.time() - start_at
+                try:
+                    result = await one_request(client, settings.model, prompt,
+                                               settings.output_len,
+                                               settings.return_token_ids)  # fmt: skip
+                except Exception as exc:
+                    errors.append(f"{type(exc).__name__}: {exc}")
+                    round += len(job.turns(index)) + 1 - turn
+                    break  # a conversation without its answer cannot go on
+                answer, result.token_ids = result.token_ids, []  # not sent to the parent
+                result.start_s, result.client, result.round = start_s, job.client, round
+                result.turn = turn
+                round += 1
+                results.append(result)
 
     await asyncio.gather(*(run(job) for job in jobs))
     return JobsDone(results, errors, time.time() - start_at)

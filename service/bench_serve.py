@@ -7,7 +7,8 @@ progress, as independent users do. Prompts are random token ids (exactly `--inpu
 tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ignore_eos`, vLLM's
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
-and in the JSON report every request's send time (from the level's start, also given as Unix
+and the share of prompt tokens the server found in its prefix cache
+(`usage.prompt_tokens_details.cached_tokens`), and in the JSON report every request's send time (from the level's start, also given as Unix
 time to line up with a server's `--step-log`), TTFT, end-to-end time and the load generator
 process that sent it. Where the server
 exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
@@ -16,6 +17,12 @@ out the wire, the streaming and this process's event loop: the like-for-like fig
 measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine
 processes. The clients run in processes of their own (`--processes`,
 service/bench_clients.py), so that parsing the streams is not what limits the measurement.
+
+Multi-turn (`--turns N`): each request of a client opens a conversation of N turns, as a chat
+client sends them: the first turn is `--input-len` tokens (a document and a question), and each
+later one sends the conversation so far (the previous turn's prompt and the server's own answer,
+as token ids through vLLM's `return_token_ids`) followed by `--turn-input-len` new tokens; each
+turn generates `--output-len` tokens. A server with a prefix cache prefills only what is new.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ class LevelResult:
     tpot_p99_s: float
     e2e_p50_s: float
     ttft_mean_s: float
+    # Prompt tokens the server reported cached over all prompt tokens (0 without the field).
+    prefix_cache_hit_rate: float
     # The server's mean TTFT over the level's requests, from when it had parsed each one; None
     # when the server exposes no kvsparse metrics (another server, a wrong --metrics-url, Ray
     # mode: metrics are on Ray's port there).
@@ -88,9 +97,20 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def random_prompts(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+def random_prompts(
+    count: int, args: argparse.Namespace, rng: random.Random, length: int | None = None
+) -> list[list[int]]:
     lo, hi = args.token_range
-    return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(count)]
+    length = args.input_len if length is None else length
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(count)]
+
+
+def follow_ups(count: int, args: argparse.Namespace, rng: random.Random) -> list[list[list[int]]]:
+    """For each of `count` conversations, the new tokens of its turns after the first (none
+    without --turns)."""
+    if args.turns == 1:
+        return []
+    return [random_prompts(args.turns - 1, args, rng, args.turn_input_len) for _ in range(count)]
 
 
 def summarize(
@@ -106,7 +126,8 @@ def summarize(
     ttfts = [r.ttft_s for r in results]
     tpots = [(r.e2e_s - r.ttft_s) / (r.output_tokens - 1) for r in results if r.output_tokens > 1]
     out_tokens = sum(r.output_tokens for r in results)
-    all_tokens = out_tokens + sum(r.prompt_tokens for r in results)
+    prompt_tokens = sum(r.prompt_tokens for r in results)
+    all_tokens = out_tokens + prompt_tokens
     return LevelResult(
         concurrency=concurrency,
         request_rate=request_rate,
@@ -123,6 +144,9 @@ def summarize(
         tpot_p99_s=round(percentile(tpots, 99), 5),
         e2e_p50_s=round(percentile([r.e2e_s for r in results], 50), 4),
         ttft_mean_s=round(sum(ttfts) / len(ttfts), 4) if ttfts else float("nan"),
+        prefix_cache_hit_rate=round(
+            sum(r.cached_tokens for r in results) / prompt_tokens if prompt_tokens else 0.0, 4
+        ),
         # Filled in by the caller, which reads the server's metrics.
         server_ttft_mean_s=None,
         server_gpu_memory_peak_gib=None,
@@ -145,19 +169,28 @@ class LevelPlan:
 
 
 def closed_loop(concurrency: int, per_client: int, args: argparse.Namespace, rng) -> LevelPlan:
-    """`concurrency` clients, each sending `per_client` requests one after another."""
+    """`concurrency` clients, each sending `per_client` requests (conversations, with --turns)
+    one after another."""
     prompts = random_prompts(concurrency * per_client, args, rng)
+    turns = follow_ups(len(prompts), args, rng)
     jobs = [
-        ClientJob(c, prompts[c * per_client : (c + 1) * per_client]) for c in range(concurrency)
+        ClientJob(c, prompts[c * per_client : (c + 1) * per_client],
+                  follow_ups=turns[c * per_client : (c + 1) * per_client])  # fmt: skip
+        for c in range(concurrency)
     ]
-    return LevelPlan(jobs, concurrency=concurrency, rounds=per_client)
+    return LevelPlan(jobs, concurrency=concurrency, rounds=per_client * args.turns)
 
 
 def open_loop(rate: float, args: argparse.Namespace, rng) -> LevelPlan:
-    """`--num-requests` requests at Poisson arrival times of mean rate `rate`/s."""
+    """`--num-requests` requests (conversations, with --turns) at Poisson arrival times of mean
+    rate `rate`/s."""
     prompts = random_prompts(args.num_requests, args, rng)
+    turns = follow_ups(len(prompts), args, rng)
     arrivals = itertools.accumulate(rng.expovariate(rate) for _ in prompts)
-    jobs = [ClientJob(i, [p], at) for i, (p, at) in enumerate(zip(prompts, arrivals, strict=True))]
+    jobs = [
+        ClientJob(i, [p], at, turns[i : i + 1])
+        for i, (p, at) in enumerate(zip(prompts, arrivals, strict=True))
+    ]
     return LevelPlan(jobs, request_rate=rate)
 
 
@@ -250,13 +283,14 @@ async def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     server_metrics = ServerMetrics(metrics_url, headers)
     settings = ClientSettings(args.base_url, args.api_key or "none", args.model or "",
-                              args.output_len, args.timeout)  # fmt: skip
+                              args.output_len, args.timeout, args.turns > 1)  # fmt: skip
     rng = random.Random(args.seed)
     client = settings.client()
     try:
         settings.model = settings.model or (await client.models.list()).data[0].id
         # Warm-up, not measured: the server's first request may compile or allocate.
-        await one_request(client, settings.model, random_prompts(1, args, rng)[0], 2)
+        await one_request(client, settings.model, random_prompts(1, args, rng)[0], 2,
+                          settings.return_token_ids)
     finally:
         await client.close()
     if args.request_rate:
@@ -282,6 +316,8 @@ async def run(args: argparse.Namespace) -> dict:
         "label": args.label,
         "input_len": args.input_len,
         "output_len": args.output_len,
+        "turns": args.turns,
+        "turn_input_len": args.turn_input_len,
         "levels": [asdict(level) for level in levels],
     }
 
@@ -289,8 +325,9 @@ async def run(args: argparse.Namespace) -> dict:
 def table(report: dict) -> str:
     rows = [
         "| load | requests | output tok/s | TTFT p50 | TTFT p99 | TTFT max | TPOT p50 "
-        "| TTFT p50 per round | TTFT mean (server's) | GPU memory peak (server's) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 per round | TTFT mean (server's) | GPU memory peak (server's) "
+        "| prompt tokens cached |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for lv in report["levels"]:
         server = lv["server_ttft_mean_s"]
@@ -307,7 +344,8 @@ def table(report: dict) -> str:
             f"{lv['ttft_p50_s']:.3f} s | {lv['ttft_p99_s']:.3f} s | {lv['ttft_max_s']:.3f} s | "
             f"{lv['tpot_p50_s'] * 1000:.1f} ms | "
             f"{' / '.join(f'{t:.2f}' for t in lv['ttft_p50_by_round_s']) or '-'} | "
-            f"{lv['ttft_mean_s']:.3f} s ({server}) | {memory} |"
+            f"{lv['ttft_mean_s']:.3f} s ({server}) | {memory} | "
+            f"{lv['prefix_cache_hit_rate']:.1%} |"
         )
     return "\n".join(rows)
 
@@ -363,7 +401,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=4000)
     parser.add_argument("--output-len", type=int, default=500)
     parser.add_argument(
-        "--requests-per-client", type=int, default=None, help="default: 3 up to C=10, then 2"
+        "--requests-per-client",
+        type=int,
+        default=None,
+        help="requests (conversations, with --turns) per client; default: 3 up to C=10, then 2",
+    )
+    parser.add_argument(
+        "--turns",
+        type=_positive_int,
+        default=1,
+        help="turns per conversation: each later turn sends the conversation so far (with the "
+        "server's answers, through vLLM's return_token_ids) and --turn-input-len new tokens",
+    )
+    parser.add_argument(
+        "--turn-input-len", type=_positive_int, default=100, help="new tokens of each later turn"
     )
     parser.add_argument(
         "--token-range",

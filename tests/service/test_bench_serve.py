@@ -263,3 +263,27 @@ def test_the_server_command_does_not_need_the_benchmark_clients():
     script = "import sys; sys.modules['httpx'] = sys.modules['openai'] = None; import service.cli"
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_multi_turn_sends_each_conversation_with_the_servers_answers(server, tmp_path, capsys):
+    """--turns 3: every later turn's prompt is the previous one, the server's 6 answer tokens
+    and 10 new ones; the server finds the previous prompt's full 16-token blocks cached."""
+    code, report = bench(server, tmp_path, "--concurrency", "2", "--requests-per-client", "2",
+                         "--turns", "3", "--turn-input-len", "10",
+                         "--metrics-url", "")  # fmt: skip
+    assert code == 0
+    (level,) = report["levels"]
+    assert (level["requests"], level["errors"]) == (2 * 2 * 3, 0)
+    results = level["request_results"]
+    for client in (0, 1):
+        mine = sorted((r for r in results if r["client"] == client), key=lambda r: r["round"])
+        assert [r["round"] for r in mine] == list(range(6))
+        assert [r["turn"] for r in mine] == [0, 1, 2] * 2
+        assert [r["prompt_tokens"] for r in mine] == [24, 40, 56] * 2
+        for r in mine:
+            previous_prompt = 24 + 16 * (r["turn"] - 1)
+            floor = previous_prompt // 16 * 16 if r["turn"] else 0
+            assert floor <= r["cached_tokens"] < r["prompt_tokens"], r
+    cached = sum(r["cached_tokens"] for r in results)
+    assert level["prefix_cache_hit_rate"] == round(cached / (12 * 40), 4) > 0
+    assert f"| {level['prefix_cache_hit_rate']:.1%} |" in capsys.readouterr().out
