@@ -295,14 +295,18 @@ def build_app(
         authorize(request)
         req = parse(CompletionRequest, await read_body(request))
         prompts = [{"prompt": p} for p in req.prompts()]
-        return await generate(request, req, prompts, req.max_tokens, CompletionFormat(req.model, req.return_token_ids))
+        return await generate(
+            request, req, prompts, req.max_tokens, CompletionFormat(req.model, req.return_token_ids)
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         req = parse(ChatCompletionRequest, await read_body(request))
         prompts = [{"messages": req.template_messages()}]
-        return await generate(request, req, prompts, req.max_new_tokens, ChatFormat(req.model, req.return_token_ids))
+        return await generate(
+            request, req, prompts, req.max_new_tokens, ChatFormat(req.model, req.return_token_ids)
+        )
 
     card = {
         "id": settings.served_model_name,

@@ -174,8 +174,12 @@ def closed_loop(concurrency: int, per_client: int, args: argparse.Namespace, rng
     prompts = random_prompts(concurrency * per_client, args, rng)
     turns = follow_ups(len(prompts), args, rng)
     jobs = [
-        ClientJob(c, prompts[c * per_client : (c + 1) * per_client],
-                  follow_ups=turns[c * per_client : (c + 1) * per_client])  # fmt: skip
+        ClientJob(
+            c,
+            prompts[c * per_client : (c + 1) * per_client],
+            0.0,
+            turns[c * per_client : (c + 1) * per_client],
+        )
         for c in range(concurrency)
     ]
     return LevelPlan(jobs, concurrency=concurrency, rounds=per_client * args.turns)
@@ -289,8 +293,9 @@ async def run(args: argparse.Namespace) -> dict:
     try:
         settings.model = settings.model or (await client.models.list()).data[0].id
         # Warm-up, not measured: the server's first request may compile or allocate.
-        await one_request(client, settings.model, random_prompts(1, args, rng)[0], 2,
-                          settings.return_token_ids)
+        await one_request(
+            client, settings.model, random_prompts(1, args, rng)[0], 2, settings.return_token_ids
+        )
     finally:
         await client.close()
     if args.request_rate:
