@@ -1,4 +1,6 @@
-"""Ray Serve request router: prefer the replica with the most free KV memory and least queued work.
+"""Ray Serve request router: a prompt goes to the replica that holds its prefix in its prefix
+cache when that replica can admit it now, else to the replica with the most free KV memory and
+least queued work.
 
 Each engine replica reports `RoutingStats` through Serve's `record_routing_stats` hook (every
 `request_routing_stats_period_s`). Between reports, the router's own count of requests it has
@@ -9,13 +11,33 @@ Why KV rather than request counts: a sparse engine keeps a different number of p
 request (prompt length, budget, pool), so two replicas with the same number of requests can have
 very different room left; a request admitted where KV is short waits (or preempts another), while
 an emptier replica would have started it at once.
+
+Prefix affinity: each replica's prefix cache holds the prompts it served lately, so a prompt that
+starts like one of them (a shared document or system prompt, a conversation's next turn) is
+prefilled from its first new token there and from scratch anywhere else. The router remembers
+which replica it sent each prompt prefix to (`PrefixOwners`: a hash chain over the prompt in
+fixed chunks, least recently used forgotten first) and sends a prompt to the replica of its
+longest remembered prefix when that replica can admit it now; otherwise the KV ranking decides,
+and the prompt's prefix then belongs to the replica it went to.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Any
+
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from service.messages import RoutingStats
+from service.messages import GenerateRequest, RoutingStats
+
+# A prefix is remembered in chunks of this many prompt tokens (token-id prompts) or characters
+# (text prompts and chat messages, about 4 characters a token): a prompt that shares less than
+# one chunk with another is not routed for it.
+PREFIX_CHUNK_TOKENS = 64
+PREFIX_CHUNK_CHARS = 256
+# Prefix chunks remembered (one dict entry each): 200,000 is 50 million tokens of prompts, far
+# more than the replicas' caches hold.
+PREFIX_OWNERS_MAX = 200_000
 
 
 def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, float, float]:
@@ -40,7 +62,63 @@ def _stats(replica: RunningReplica) -> RoutingStats | None:
         return None
 
 
+def prefix_keys(request: GenerateRequest) -> list[int]:
+    """The hash chain of the request's prompt, one key per full chunk: key i stands for the
+    prompt's first i + 1 chunks."""
+    if request.messages is not None:
+        units: Any = "".join(f"\x1e{m.get('role')}\x1f{m.get('content')}" for m in request.messages)
+        size = PREFIX_CHUNK_CHARS
+    elif isinstance(request.prompt, str):
+        units, size = request.prompt, PREFIX_CHUNK_CHARS
+    else:
+        units, size = request.prompt or [], PREFIX_CHUNK_TOKENS
+    keys, key = [], hash(type(units).__name__)
+    for start in range(0, len(units) - size + 1, size):
+        chunk = units[start : start + size]
+        key = hash((key, chunk if isinstance(chunk, str) else tuple(chunk)))
+        keys.append(key)
+    return keys
+
+
+class PrefixOwners:
+    """Which replica each remembered prompt prefix was sent to, least recently used first."""
+
+    def __init__(self, capacity: int = PREFIX_OWNERS_MAX) -> None:
+        self.capacity = capacity
+        self._owner: OrderedDict[int, Any] = OrderedDict()
+
+    def longest(self, keys: list[int], replicas: set[Any]) -> Any | None:
+        """The replica of the longest prefix among `keys` owned by one of `replicas`."""
+        for key in reversed(keys):
+            owner = self._owner.get(key)
+            if owner in replicas:
+                return owner
+        return None
+
+    def assign(self, keys: list[int], replica: Any) -> None:
+        for key in keys:
+            self._owner[key] = replica
+            self._owner.move_to_end(key)
+        while len(self._owner) > self.capacity:
+            self._owner.popitem(last=False)
+
+
+def route(ranks: dict[Any, tuple], prefix: list[int], owners: PrefixOwners) -> list[Any]:
+    """Replica ids best first, from their `rank_key`s: the KV ranking, except that the replica
+    owning the prompt's longest remembered prefix comes first when it can admit it now. The
+    prefix then belongs to the first."""
+    ranked = sorted(ranks, key=ranks.__getitem__)
+    owner = owners.longest(prefix, set(ranks))
+    if owner is not None and ranks[owner][0] == 0:
+        ranked.sort(key=lambda r: r != owner)
+    owners.assign(prefix, ranked[0])
+    return ranked
+
+
 class KVCapacityRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self.prefix_owners = PrefixOwners()
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
@@ -49,7 +127,8 @@ class KVCapacityRouter(FIFOMixin, RequestRouter):
         """Every candidate in its own rank, best first: Serve tries them in this order and takes
         the first whose queue is not full (`max_ongoing_requests`)."""
         cache = self.replica_queue_len_cache
-        ranked = sorted(
-            candidate_replicas, key=lambda r: rank_key(_stats(r), cache.get(r.replica_id))
-        )
-        return [[replica] for replica in ranked]
+        replicas = {r.replica_id: r for r in candidate_replicas}
+        ranks = {i: rank_key(_stats(r), cache.get(i)) for i, r in replicas.items()}
+        request = pending_request.args[0] if pending_request and pending_request.args else None
+        prefix = prefix_keys(request) if isinstance(request, GenerateRequest) else []
+        return [[replicas[i]] for i in route(ranks, prefix, self.prefix_owners)]

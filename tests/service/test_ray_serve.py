@@ -206,6 +206,62 @@ def test_twenty_concurrent_requests_are_answered_by_both_replicas(ray_server, de
     assert len([r for r, v in delta.items() if v > 0]) == 2, delta
 
 
+def test_conversations_keep_their_prefix_cache_hits_across_two_replicas(ray_server, dense_llm):
+    """8 chats of 3 turns at once over the 2 replicas: each turn sends the conversation so far
+    (a ~600-token document first). One replica would find every earlier turn's full 16-token
+    blocks cached; the router sends each turn to the replica holding its conversation, so two
+    find at least 90% as many, and both replicas serve conversations."""
+    tokenizer = dense_llm.tokenizer
+    client = openai.AsyncOpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
+    before = ray_server.ray_metrics()
+    name = "ray_kvsparse_prompt_tokens_total"
+
+    async def chat(c: int) -> list[tuple[int, int, int]]:
+        """(prompt tokens, cached tokens, what one replica would have cached) per turn."""
+        document = f"Document {c}. " + " ".join(
+            f"Fact {c}.{i}: the value of item {i} is {i * (c + 3)}." for i in range(40)
+        )
+        messages = [{"role": "system", "content": document}]
+        previous: list[int] = []
+        turns = []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"What is the value of item {turn}?"})
+            out = await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, temperature=0
+            )
+            ids = tokenizer.encode_chat(messages)
+            common = next((i for i, (a, b) in enumerate(zip(ids, previous, strict=False)) if a != b),
+                          min(len(ids), len(previous)))  # fmt: skip
+            usage = out.usage
+            turns.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
+                          common // 16 * 16))  # fmt: skip
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+            previous = ids
+        return turns
+
+    async def chat_all() -> list[list[tuple[int, int, int]]]:
+        try:
+            return await asyncio.gather(*(chat(c) for c in range(8)))
+        finally:
+            await client.close()
+
+    turns = [t for conversation in asyncio.run(chat_all()) for t in conversation]
+    prompt = sum(t[0] for t in turns)
+    cached, one_replica = sum(t[1] for t in turns), sum(t[2] for t in turns)
+    assert one_replica > 0.5 * prompt
+    assert cached >= 0.9 * one_replica, (cached, one_replica, prompt)
+
+    def moved() -> dict[str, float] | None:
+        now = ray_server.ray_metrics()
+        replicas = set(_label_values(now, name, "replica"))
+        delta = {r: metric_sum(now, name, replica=r) - metric_sum(before, name, replica=r)
+                 for r in replicas}  # fmt: skip
+        return delta if sum(delta.values()) >= prompt else None
+
+    delta = wait_for(moved, timeout=30)
+    assert len([r for r, v in delta.items() if v > 0]) == 2, delta
+
+
 def test_engine_metrics_on_rays_port(ray_server):
     text = ray_server.ray_metrics()
     for name in [

@@ -1,10 +1,18 @@
-"""The KV-capacity ranking of the Ray request router, and what a replica reserves."""
+"""The Ray request router's KV-capacity ranking and prefix affinity, and what a replica
+reserves."""
 
 from __future__ import annotations
 
-from service.messages import RoutingStats
+from service.messages import GenerateRequest, RoutingStats
 from service.ray_app import replica_resources
-from service.router import rank_key
+from service.router import (
+    PREFIX_CHUNK_CHARS,
+    PREFIX_CHUNK_TOKENS,
+    PrefixOwners,
+    prefix_keys,
+    rank_key,
+    route,
+)
 
 
 def stats(free: float, per_request: float = 0.05, running: int = 0, waiting: int = 0,
@@ -64,3 +72,53 @@ def test_tensor_parallel_replica_reserves_its_gpus_in_one_placement_group_bundle
     assert options["ray_actor_options"] == {"num_cpus": 8, "num_gpus": 4}
     on_cpu = replica_resources(2, 1, num_gpus=None)  # ranks as processes (gloo)
     assert on_cpu["placement_group_bundles"] == [{"CPU": 2}]
+
+
+def test_prefix_keys_name_a_prompts_full_chunks_whatever_its_form():
+    ids = list(range(1000, 1000 + 3 * PREFIX_CHUNK_TOKENS + 5))
+    keys = prefix_keys(GenerateRequest("a", prompt=ids))
+    assert len(keys) == 3
+    longer = prefix_keys(GenerateRequest("b", prompt=ids + [7] * PREFIX_CHUNK_TOKENS))
+    assert longer[:3] == keys and len(longer) == 4
+    assert prefix_keys(GenerateRequest("c", prompt=[5, *ids[1:]]))[0] != keys[0]
+    text = "x" * (2 * PREFIX_CHUNK_CHARS)
+    assert len(prefix_keys(GenerateRequest("d", prompt=text))) == 2
+    turn = [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]
+    next_turn = [*turn, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    first = prefix_keys(GenerateRequest("e", messages=turn))
+    assert prefix_keys(GenerateRequest("f", messages=next_turn))[: len(first)] == first
+    assert prefix_keys(GenerateRequest("g", prompt=ids[: PREFIX_CHUNK_TOKENS - 1])) == []
+
+
+def test_a_prompt_goes_where_its_prefix_is_when_that_replica_can_admit_it():
+    owners = PrefixOwners()
+    roomy, busy = rank_key(stats(0.8), 0), rank_key(stats(0.4, running=5), 5)
+    document = [1, 2, 3]
+    # First seen: the KV ranking decides, and the prefix is remembered there.
+    assert route({"r0": busy, "r1": roomy}, document, owners) == ["r1", "r0"]
+    # The next turn (the same chunks and more) goes back to r1 even when r0 has more room now.
+    assert route({"r0": roomy, "r1": busy}, [*document, 4], owners) == ["r1", "r0"]
+    # A prompt sharing only its first chunk goes there too; a new prompt follows the ranking.
+    assert route({"r0": roomy, "r1": busy}, [1, 9], owners)[0] == "r1"
+    assert route({"r0": roomy, "r1": busy}, [8], owners)[0] == "r0"
+
+
+def test_a_full_owner_loses_the_prompt_and_the_prefix_moves_with_it():
+    owners = PrefixOwners()
+    full = rank_key(stats(0.01, 0.1, running=9), 9)
+    route({"r0": rank_key(stats(0.9), 0), "r1": rank_key(stats(0.5), 0)}, [1, 2], owners)
+    assert route({"r0": full, "r1": rank_key(stats(0.5), 0)}, [1, 2, 3], owners)[0] == "r1"
+    assert owners.longest([1, 2, 3], {"r0", "r1"}) == "r1"
+    # A replica gone (not a candidate) owns nothing.
+    assert owners.longest([1, 2, 3], {"r0"}) is None
+
+
+def test_prefix_owners_forget_the_least_recently_used_first():
+    owners = PrefixOwners(capacity=3)
+    owners.assign([1, 2], "r0")
+    owners.assign([3], "r1")
+    owners.longest([1], {"r0"})  # a lookup does not refresh
+    owners.assign([1], "r0")  # an assignment does
+    owners.assign([4], "r1")  # evicts 2, the oldest
+    assert owners.longest([2], {"r0", "r1"}) is None
+    assert [owners.longest([k], {"r0", "r1"}) for k in (1, 3, 4)] == ["r0", "r1", "r1"]
