@@ -50,6 +50,12 @@
 #                  and without it (what the cache costs when nothing is shared)
 #   vllm-prefix-cache stock vLLM fp8/fp8 with its prefix cache on the same shared-prefix prompts,
 #                  and on unique prompts (python -m sparse_core.bench.vllm_plugin --engines stock)
+#   chart-workloads the chart's Ray Serve application ($CHART_CONFIG) under the loads users
+#                  compare (run_workloads): 64 clients of unique 4000/500 prompts; 64 chats of 4
+#                  turns at 32 and 64 conversations
+#   vllm-serve-workloads `vllm serve` (stock vLLM fp8/fp8, its default prefix caching, 24 GB:
+#                  gpu_memory_utilization $GMU, the chart's max_model_len 8192) under the same loads
+#                  from the same load generator
 #
 # dummy:llama3-8b, 4000 tokens in / 500 out. JSON and logs land in $OUT (default ./out): each
 # step's GPU memory peak, its processes together (sparse_core.bench.gpu_watch), in
@@ -119,13 +125,16 @@ step_uncapped() {
         --json "$OUT/throughput_uncapped.json" 2>"$OUT/throughput_uncapped.log"
 }
 
-# The server in the background, the load generator against it, then the server stopped.
-# serve_sweep POLICY NAME LOAD_FLAGS...: the report is $OUT/NAME.json. With CHART_CONFIG set the
-# server is the chart's Ray Serve application (its policy is the rendered one).
-serve_sweep() {
-    local policy=$1 name=$2 poller=
-    shift 2
-    if [ -n "${CHART_CONFIG:-}" ]; then
+# A server in the background, until server_stop: `kvsparse serve` (policy $1, $SERVE_ARGS), or
+# with CHART_CONFIG set the chart's Ray Serve application (its policy is the rendered one), or
+# with $VLLM_SERVE set that command (stock vLLM's server). Its log is $OUT/NAME.log; it is ready
+# once /health answers.
+server_start() {
+    local policy=$1 name=$2
+    if [ -n "${VLLM_SERVE:-}" ]; then
+        # shellcheck disable=SC2086  # VLLM_SERVE is a command line
+        $VLLM_SERVE --port "$PORT" >"$OUT/$name.log" 2>&1 &
+    elif [ -n "${CHART_CONFIG:-}" ]; then
         python3 scripts/serve_chart.py run "$CHART_CONFIG" --port "$PORT" \
             --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
     else
@@ -133,8 +142,9 @@ serve_sweep() {
         python3 -m service.cli serve --model "$MODEL" --policy "$policy" $SERVE_ARGS --port "$PORT" \
             --step-log "$OUT/$name.steps.jsonl" >"$OUT/$name.log" 2>&1 &
     fi
-    local server=$!
-    for _ in $(seq 240); do
+    server=$!
+    poller=
+    for _ in $(seq 400); do
         python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=1)" \
             2>/dev/null && break
         kill -0 "$server" 2>/dev/null || { echo "server exited:"; tail -20 "$OUT/$name.log"; return 1; }
@@ -145,11 +155,9 @@ serve_sweep() {
             --output "$OUT/$name.replicas.json" &
         poller=$!
     fi
-    # shellcheck disable=SC2086  # LOAD_ARGS is a list of flags
-    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" "$@" $LOAD_ARGS \
-        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --token-range "$TOKEN_RANGE" \
-        --label "kvsparse $policy" --output "$OUT/$name.json" 2>>"$OUT/$name.log"
-    local status=$?
+}
+
+server_stop() {
     [ -z "$poller" ] || { kill -INT "$poller"; wait "$poller"; }
     kill -INT "$server"
     for _ in $(seq 30); do kill -0 "$server" 2>/dev/null || break; sleep 1; done
@@ -161,6 +169,71 @@ serve_sweep() {
         ray stop --force >/dev/null 2>&1
         pkill -f "haproxy -db -f /tmp/haproxy-serve" 2>/dev/null
     fi
+}
+
+# bench_serve NAME LABEL LOAD_FLAGS...: `kvsparse bench serve` against the running server; the
+# report is $OUT/NAME.json.
+bench_serve() {
+    local name=$1 label=$2
+    shift 2
+    python3 -m service.cli bench serve --base-url "http://127.0.0.1:$PORT/v1" \
+        --token-range "$TOKEN_RANGE" "$@" --label "$label" --output "$OUT/$name.json" \
+        2>>"$OUT/$name.log"
+}
+
+# The server, the load generator against it, then the server stopped.
+# serve_sweep POLICY NAME LOAD_FLAGS...: the report is $OUT/NAME.json.
+serve_sweep() {
+    local policy=$1 name=$2 status
+    shift 2
+    server_start "$policy" "$name" || return 1
+    # shellcheck disable=SC2086  # LOAD_ARGS is a list of flags
+    bench_serve "$name" "kvsparse $policy" "$@" $LOAD_ARGS --input-len "$INPUT_LEN" \
+        --output-len "$OUTPUT_LEN"
+    status=$?
+    server_stop
+    return $status
+}
+
+# The loads users compare, against one server: 64 closed-loop clients of unique 4000/500
+# prompts (2 each), then 64 chats of 4 turns (a 2,000-token document and a 100-token question;
+# each later turn sends the conversation so far, the server's 200-token answer and 100 new
+# tokens) at 32 conversations at once (2 each) and 64. Reports $OUT/NAME_unique64.json,
+# NAME_chat32.json, NAME_chat64.json.
+run_workloads() {
+    local name=$1 label=$2 status=0
+    local chat="--turns 4 --input-len 2100 --turn-input-len 100 --output-len 200"
+    bench_serve "${name}_unique64" "$label" --concurrency 64 --requests-per-client 2 \
+        --input-len 4000 --output-len 500 || status=1
+    # shellcheck disable=SC2086  # chat is a list of flags
+    bench_serve "${name}_chat32" "$label" $chat --concurrency 32 --requests-per-client 2 || status=1
+    # shellcheck disable=SC2086
+    bench_serve "${name}_chat64" "$label" $chat --concurrency 64 --requests-per-client 1 || status=1
+    return $status
+}
+
+step_chart-workloads() {
+    local status
+    CHART_CONFIG=${CHART_CONFIG:?render it first: scripts/serve_chart.py render DIR --set ...}
+    server_start chart chart_workloads || return 1
+    run_workloads chart_workloads "kvsparse chart"
+    status=$?
+    server_stop
+    return $status
+}
+
+step_vllm-serve-workloads() {
+    local status dir
+    dir=$(python3 -c "import sys; sys.path.insert(0, '$VLLM_PEER'); import bench
+bench.write_model_dir(); print(bench.MODEL_DIR)") || return 1
+    # Token-id prompts and vLLM's return_token_ids: the dummy model needs no tokenizer.
+    VLLM_SERVE="python3 -m vllm.entrypoints.cli.main serve $dir --served-model-name $MODEL \
+        --load-format dummy --skip-tokenizer-init --quantization fp8 --kv-cache-dtype fp8 \
+        --gpu-memory-utilization $GMU --max-model-len 8192 --enable-prompt-tokens-details" \
+        server_start vllm vllm_serve_workloads || return 1
+    run_workloads vllm_serve_workloads "vLLM fp8/fp8"
+    status=$?
+    server_stop
     return $status
 }
 
