@@ -198,17 +198,22 @@ serve_sweep() {
 # The loads users compare, against one server: 64 closed-loop clients of unique 4000/500
 # prompts (2 each), then 64 chats of 4 turns (a 2,000-token document and a 100-token question;
 # each later turn sends the conversation so far, the server's 200-token answer and 100 new
-# tokens) at 32 conversations at once (2 each) and 64. Reports $OUT/NAME_unique64.json,
-# NAME_chat32.json, NAME_chat64.json.
+# tokens) at 32 conversations at once (2 each) and 64. Each load draws its prompts from a seed
+# of its own, so that none finds another's prompts in a prefix cache. $WORKLOADS picks some
+# (default: all). Reports $OUT/NAME_<load>.json.
 run_workloads() {
-    local name=$1 label=$2 status=0
+    local name=$1 label=$2 load status=0
     local chat="--turns 4 --input-len 2100 --turn-input-len 100 --output-len 200"
-    bench_serve "${name}_unique64" "$label" --concurrency 64 --requests-per-client 2 \
-        --input-len 4000 --output-len 500 || status=1
-    # shellcheck disable=SC2086  # chat is a list of flags
-    bench_serve "${name}_chat32" "$label" $chat --concurrency 32 --requests-per-client 2 || status=1
-    # shellcheck disable=SC2086
-    bench_serve "${name}_chat64" "$label" $chat --concurrency 64 --requests-per-client 1 || status=1
+    for load in ${WORKLOADS:-unique64 chat32 chat64}; do
+        case $load in
+        unique64) set -- --seed 1 --concurrency 64 --requests-per-client 2 --input-len 4000 \
+            --output-len 500 ;;
+        chat32) set -- --seed 2 $chat --concurrency 32 --requests-per-client 2 ;;
+        chat64) set -- --seed 3 $chat --concurrency 64 --requests-per-client 1 ;;
+        *) echo "unknown load $load"; return 1 ;;
+        esac
+        bench_serve "${name}_$load" "$label" "$@" || status=1
+    done
     return $status
 }
 
