@@ -8,6 +8,8 @@ import gzip
 import importlib
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -226,6 +228,31 @@ def test_defaults_serve_fp8_at_the_kv_caches_capacity_with_a_key(helm: str) -> N
     open_docs = render(helm, {"serve": {"apiKeySecret": {"generate": False}}})
     assert not by_kind(open_docs, "Secret")
     assert "KVSPARSE_API_KEY" not in json.dumps(open_docs)
+
+
+def test_values_schema_is_generated_from_the_config_fields() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "values_schema.py"), "--check"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"engine": {"max_num_seq": 8}}, "Additional property max_num_seq is not allowed"),
+        ({"sparsity": {"policy": "snapkvv"}}, "sparsity.policy must be one of"),
+        ({"engine": {"max_num_seqs": [8]}}, "engine.max_num_seqs"),
+        ({"engine": {"model": "other"}}, "Additional property model is not allowed"),
+        ({"serve": {"apiKeySecrets": {"name": "k"}}}, "Additional property apiKeySecrets"),
+        ({"serve": {"extraArgs": {"stream_intervall": 2}}}, "stream_intervall"),
+        ({"engineKind": "vllms"}, "engineKind must be one of"),
+    ],
+)
+def test_mistyped_values_fail_on_the_schema(helm: str, values: dict, complaint: str) -> None:
+    proc = subprocess.run([helm, "template", "kvsparse", str(CHART), *set_args(values)],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode != 0 and "schema" in proc.stderr, proc.stderr
+    assert complaint in proc.stderr, proc.stderr
 
 
 def test_default_pod_placement(helm: str) -> None:
