@@ -8,11 +8,11 @@ tokenizer needed on the client), outputs are exactly `--output-len` tokens (`ign
 extension, which our server also takes). Per level: TTFT p50/p99/max, time per output token
 (TPOT: (end-to-end - TTFT) / (tokens - 1)) p50/p99, end-to-end p50, output and total tokens/s,
 and the share of prompt tokens the server found in its prefix cache
-(`usage.prompt_tokens_details.cached_tokens`), and in the JSON report every request's send time (from the level's start, also given as Unix
-time to line up with a server's `--step-log`), TTFT, end-to-end time and the load generator
-process that sent it. Where the server
-exposes kvsparse's Prometheus metrics (`--metrics-url`, by default `/metrics` beside the API), each
-level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
+(`usage.prompt_tokens_details.cached_tokens`), and in the JSON report every request's send time
+(from the level's start, also given as Unix time to line up with a server's `--step-log`), TTFT,
+end-to-end time and the load generator process that sent it. Where the server exposes vLLM's TTFT
+histogram (`--metrics-url`, by default `/metrics` beside the API; `kvsparse serve` and `vllm
+serve` do), each level also reports the server's own mean TTFT (from when it has parsed a request), which leaves
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
 measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine
 processes. The clients run in processes of their own (`--processes`,
@@ -48,9 +48,9 @@ from service.bench_clients import (
     one_request,
 )
 
-# The server's TTFT histogram (service/metrics.py): from when the API server has parsed a request
-# to its first token out of the engine.
-SERVER_TTFT_METRIC = "kvsparse_time_to_first_token_seconds"
+# The server's TTFT histogram (vLLM's name, service/metrics.py): from when the API server has
+# parsed a request to its first token out of the engine.
+SERVER_TTFT_METRIC = "vllm:time_to_first_token_seconds"
 SERVER_GPU_MEMORY_METRIC = "kvsparse_gpu_memory_peak_bytes"
 
 
@@ -74,8 +74,8 @@ class LevelResult:
     # Prompt tokens the server reported cached over all prompt tokens (0 without the field).
     prefix_cache_hit_rate: float
     # The server's mean TTFT over the level's requests, from when it had parsed each one; None
-    # when the server exposes no kvsparse metrics (another server, a wrong --metrics-url, Ray
-    # mode: metrics are on Ray's port there).
+    # when the server exposes no such histogram (a wrong --metrics-url; Ray mode: metrics are on
+    # Ray's port there, under Ray's names).
     server_ttft_mean_s: float | None
     # The highest peak GPU memory of the server's engine processes by the level's end (CUDA
     # context included); None off CUDA or without kvsparse metrics.
@@ -220,7 +220,8 @@ class ServerReading:
 
 
 def parse_server_metrics(metrics_text: str) -> ServerReading | None:
-    """A ServerReading from Prometheus text; None without kvsparse's TTFT histogram."""
+    """A ServerReading from Prometheus text; None without vLLM's TTFT histogram (which
+    `kvsparse serve` and `vllm serve` export)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     totals: dict[str, float] = {}

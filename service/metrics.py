@@ -1,9 +1,14 @@
-"""Serving metrics (Prometheus names, base units): vLLM's name (`vllm:`) where vLLM has the
-metric, else the `kvsparse_` prefix.
+"""Serving metrics (Prometheus names, base units): vLLM's name, type, labels and buckets
+(`vllm:`) for every metric vLLM has, so that vLLM's Grafana dashboards and autoscalers (KEDA on
+`vllm:num_requests_waiting`) work as they are; the `kvsparse_` prefix for what vLLM has no name
+for (per-group KV blocks, the compression ratio, the engine's peak GPU memory, failed requests).
 
 The same definitions go to one of two sinks: prometheus_client (standalone: the server's own
 `/metrics`) or `ray.util.metrics` (Ray mode: each node's metrics export port, which is what
-KubeRay's monitors scrape; Ray prefixes every name there with `ray_`).
+KubeRay's monitors scrape). Ray prefixes every name there with `ray_` and takes no `:`, so
+`vllm:x` is exported as `ray_vllm_x`; the Helm chart's PrometheusRule records each under its
+standalone name again (`RAY_NAMES`), so dashboards and alerts read one set of names in both
+modes.
 """
 
 from __future__ import annotations
@@ -24,8 +29,6 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 COMPRESSION_BUCKETS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0]
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-
 
 @dataclass(frozen=True)
 class MetricDef:
@@ -37,18 +40,36 @@ class MetricDef:
 
 
 DEFINITIONS = [
-    MetricDef("histogram", "kvsparse_time_to_first_token_seconds",
+    MetricDef("histogram", "vllm:time_to_first_token_seconds",
               "Time from request arrival to its first generated token.",
               buckets=tuple(TTFT_BUCKETS)),
-    MetricDef("histogram", "kvsparse_inter_token_latency_seconds",
+    MetricDef("histogram", "vllm:inter_token_latency_seconds",
               "Time between consecutive generated tokens of a request.",
               buckets=tuple(ITL_BUCKETS)),
-    MetricDef("histogram", "kvsparse_e2e_request_latency_seconds",
+    MetricDef("histogram", "vllm:request_time_per_output_token_seconds",
+              "Per request: time from its first token to its last over its tokens after the first.",
+              buckets=tuple(ITL_BUCKETS)),
+    MetricDef("histogram", "vllm:e2e_request_latency_seconds",
               "Time from request arrival to its last token.", buckets=tuple(E2E_BUCKETS)),
-    MetricDef("counter", "kvsparse_prompt_tokens_total", "Prompt tokens of finished requests."),
-    MetricDef("counter", "kvsparse_generation_tokens_total", "Generated tokens."),
-    MetricDef("gauge", "kvsparse_num_requests_running", "Requests in the running batch."),
-    MetricDef("gauge", "kvsparse_num_requests_waiting", "Requests waiting for KV memory or a slot."),
+    MetricDef("counter", "vllm:prompt_tokens_total", "Prompt tokens prefilled."),
+    MetricDef("counter", "vllm:generation_tokens_total", "Generated tokens."),
+    MetricDef("gauge", "vllm:num_requests_running", "Requests in the running batch."),
+    MetricDef("gauge", "vllm:num_requests_waiting", "Requests waiting for KV memory or a slot."),
+    MetricDef("gauge", "vllm:kv_cache_usage_perc",
+              "KV cache usage, 1 = full: of the fullest layer group (admission needs room in "
+              "every group)."),
+    MetricDef("counter", "vllm:num_preemptions_total",
+              "Sequences preempted for lack of KV memory (recomputed later)."),
+    MetricDef("counter", "vllm:request_success_total",
+              "Requests finished, by reason: stop, length, abort (the client went away).",
+              labels=("finished_reason",)),
+    MetricDef("counter", "vllm:prefix_cache_queries_total",
+              "Prefill tokens looked up in the prefix cache."),
+    MetricDef("counter", "vllm:prefix_cache_hits_total",
+              "Prefill tokens found in the prefix cache."),
+    MetricDef("counter", "kvsparse_request_errors_total",
+              "Requests that failed on the server's side (answered 5xx): the engine failed or "
+              "stopped. Requests refused as invalid (4xx) are the client's errors, not counted."),
     MetricDef("gauge", "kvsparse_kv_blocks_used", "KV blocks in use, per layer group.",
               labels=("group",)),
     MetricDef("gauge", "kvsparse_kv_blocks_free", "KV blocks free, per layer group.",
@@ -59,16 +80,23 @@ DEFINITIONS = [
     MetricDef("gauge", "kvsparse_gpu_memory_peak_bytes",
               "Peak GPU memory of the engine process since it started, CUDA context included "
               "(rank 0's with tensor parallelism); absent off CUDA."),
-    MetricDef("counter", "kvsparse_num_preemptions_total",
-              "Sequences preempted for lack of KV memory (recomputed later)."),
-    MetricDef("counter", "kvsparse_requests_finished_total",
-              "Requests finished, by reason: stop, length, abort (client gone), error.",
-              labels=("finished_reason",)),
-    MetricDef("counter", "vllm:prefix_cache_queries_total",
-              "Prefill tokens looked up in the prefix cache (vLLM's name)."),
-    MetricDef("counter", "vllm:prefix_cache_hits_total",
-              "Prefill tokens found in the prefix cache (vLLM's name)."),
 ]  # fmt: skip
+
+
+def ray_name(name: str) -> str:
+    """A metric's name as Ray exports it: `ray_`, and `_` for `:`."""
+    return "ray_" + name.replace(":", "_")
+
+
+def series(d: MetricDef) -> list[str]:
+    """The names of a metric's time series (a histogram's three)."""
+    if d.kind == "histogram":
+        return [d.name + suffix for suffix in ("_bucket", "_sum", "_count")]
+    return [d.name]
+
+
+# Every series under its Ray name, by its standalone name: what the chart's recording rules map.
+RAY_NAMES = {s: ray_name(s) for d in DEFINITIONS for s in series(d)}
 
 
 class _PromMetric:
@@ -120,11 +148,11 @@ def _ray_factory() -> Callable[[MetricDef, tuple[str, ...]], Any]:
     from ray.util import metrics as ray_metrics
 
     def make(d: MetricDef, labels: tuple[str, ...]) -> _RayMetric:
+        name = d.name.replace(":", "_")  # Ray adds `ray_`, and refuses ':' in names
         if d.kind == "histogram":
-            return _RayMetric(ray_metrics.Histogram(d.name, d.help, list(d.buckets), labels))
+            return _RayMetric(ray_metrics.Histogram(name, d.help, list(d.buckets), labels))
         cls = ray_metrics.Counter if d.kind == "counter" else ray_metrics.Gauge
-        # Ray refuses ':' in names: vLLM's `vllm:x` is `ray_vllm_x` there.
-        return _RayMetric(cls(d.name.replace(":", "_"), d.help, labels))
+        return _RayMetric(cls(name, d.help, labels))
 
     return make
 
@@ -164,41 +192,56 @@ class MetricsRecorder:
         return {**self._labels, **extra}
 
     def first_token(self, seconds: float) -> None:
-        self._m["kvsparse_time_to_first_token_seconds"].observe(seconds, self._labels)
+        self._m["vllm:time_to_first_token_seconds"].observe(seconds, self._labels)
 
     def tokens(self, count: int, seconds_since_previous: float | None) -> None:
         """`count` new tokens of a request; the gap is spread evenly over them."""
-        self._m["kvsparse_generation_tokens_total"].inc(count, self._labels)
+        self._m["vllm:generation_tokens_total"].inc(count, self._labels)
         if seconds_since_previous is not None:
             for _ in range(count):
-                self._m["kvsparse_inter_token_latency_seconds"].observe(
+                self._m["vllm:inter_token_latency_seconds"].observe(
                     seconds_since_previous / count, self._labels
                 )
 
     def prompt_tokens(self, count: int) -> None:
         """Counted once the prompt is prefilled (a recomputation after preemption is not)."""
-        self._m["kvsparse_prompt_tokens_total"].inc(count, self._labels)
+        self._m["vllm:prompt_tokens_total"].inc(count, self._labels)
 
-    def finished(self, reason: str, seconds: float, compression_ratio: float | None) -> None:
-        self._m["kvsparse_requests_finished_total"].inc(1, self._with(finished_reason=reason))
-        self._m["kvsparse_e2e_request_latency_seconds"].observe(seconds, self._labels)
+    def finished(
+        self,
+        reason: str,
+        seconds: float,
+        compression_ratio: float | None,
+        time_per_output_token: float | None = None,
+    ) -> None:
+        """A request the engine ended: stop, length or abort."""
+        self._m["vllm:request_success_total"].inc(1, self._with(finished_reason=reason))
+        self._m["vllm:e2e_request_latency_seconds"].observe(seconds, self._labels)
+        if time_per_output_token is not None:
+            self._m["vllm:request_time_per_output_token_seconds"].observe(
+                time_per_output_token, self._labels
+            )
         if compression_ratio is not None:
             self._m["kvsparse_compression_ratio"].observe(compression_ratio, self._labels)
 
     def failed(self) -> None:
-        """A request the engine refused (invalid for it) or that failed while generating."""
-        self._m["kvsparse_requests_finished_total"].inc(1, self._with(finished_reason="error"))
+        """A request that failed on the server's side (answered 5xx)."""
+        self._m["kvsparse_request_errors_total"].inc(1, self._labels)
 
     def engine_state(self, stats: EngineStats) -> None:
-        self._m["kvsparse_num_requests_running"].set(stats.num_running, self._labels)
-        self._m["kvsparse_num_requests_waiting"].set(stats.num_waiting, self._labels)
+        self._m["vllm:num_requests_running"].set(stats.num_running, self._labels)
+        self._m["vllm:num_requests_waiting"].set(stats.num_waiting, self._labels)
+        usage = 0.0
         for group, blocks in stats.kv_blocks.items():
             labels = self._with(group=group)
             self._m["kvsparse_kv_blocks_used"].set(blocks["used"], labels)
             self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
+            total = blocks["used"] + blocks["free"]
+            usage = max(usage, blocks["used"] / total if total else 0.0)
+        self._m["vllm:kv_cache_usage_perc"].set(usage, self._labels)
         if stats.gpu_memory_peak_bytes is not None:
             self._m["kvsparse_gpu_memory_peak_bytes"].set(stats.gpu_memory_peak_bytes, self._labels)
-        self._count("kvsparse_num_preemptions_total", stats.num_preemptions)
+        self._count("vllm:num_preemptions_total", stats.num_preemptions)
         self._count("vllm:prefix_cache_queries_total", stats.prefix_cache_queries)
         self._count("vllm:prefix_cache_hits_total", stats.prefix_cache_hits)
 

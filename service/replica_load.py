@@ -22,28 +22,24 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-PREFIX = "ray_kvsparse_"
+# What is read, by the name the report gives it (Ray's names of service/metrics.py's series).
+READ = {
+    "ray_vllm_num_requests_running": "num_requests_running",
+    "ray_vllm_num_requests_waiting": "num_requests_waiting",
+    "ray_vllm_request_success_total": "requests_finished_total",
+    "ray_vllm_kv_cache_usage_perc": "kv_used_fraction",  # of the fullest layer group
+    "ray_kvsparse_gpu_memory_peak_bytes": "gpu_memory_peak_bytes",
+}
 
 
 def sample(text: str) -> dict[str, dict[str, float]]:
-    """replica -> {metric name (prefix dropped, sums over other labels), ...}; KV use as
-    `kv_used_fraction`, of the fullest layer group."""
+    """replica -> {name in READ's values: the value summed over other labels}."""
     values: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    kv: dict[tuple[str, str], dict[str, float]] = defaultdict(dict)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             replica = s.labels.get("replica")
-            if replica is None or not s.name.startswith(PREFIX):
-                continue
-            name = s.name.removeprefix(PREFIX)
-            if name in ("kv_blocks_used", "kv_blocks_free"):
-                kv[replica, s.labels.get("group", "")][name] = s.value
-            else:
-                values[replica][name] += s.value
-    for (replica, _), blocks in kv.items():
-        total = blocks.get("kv_blocks_used", 0) + blocks.get("kv_blocks_free", 0)
-        used = blocks.get("kv_blocks_used", 0) / total if total else 0.0
-        values[replica]["kv_used_fraction"] = max(values[replica]["kv_used_fraction"], used)
+            if replica is not None and s.name in READ:
+                values[replica][READ[s.name]] += s.value
     return values
 
 

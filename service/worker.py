@@ -71,12 +71,14 @@ class EngineWorker:
         """Chunks of one request; APIError before the first chunk if the request is invalid."""
         arrival = time.monotonic()
         if not self.healthy():
+            self.metrics.failed()
             raise APIError(503, "the engine has stopped; retry later", code="engine_stopped",
                            retry_after=1)  # fmt: skip
         try:
             prompt_ids, params, outputs = await self._validate(req)
-        except APIError:
-            self.metrics.failed()
+        except APIError as exc:
+            if exc.status >= 500:  # an invalid request is the client's error, not counted
+                self.metrics.failed()
             raise
         if self.log_prompts:
             logger.info("request %s prompt: %r", req.request_id, req.prompt or req.messages)
@@ -86,6 +88,7 @@ class EngineWorker:
         hold = max((len(s) for s in params.stop), default=1) - 1
         sent_chars = sent_tokens = 0
         last_token_time: float | None = None
+        first_token_time: float | None = None
         reason = "abort"  # unless the engine says otherwise: the consumer went away
         try:
             # The request is queued already: closed from here on, even before the response
@@ -97,6 +100,7 @@ class EngineWorker:
                     new_tokens = len(out.token_ids) - sent_tokens
                     if new_tokens > 0:
                         if sent_tokens == 0:
+                            first_token_time = now
                             self.metrics.first_token(now - arrival)
                             self.metrics.prompt_tokens(n_prompt)
                         gap = now - last_token_time if last_token_time is not None else None
@@ -112,7 +116,12 @@ class EngineWorker:
                     cached = out.num_cached_tokens
                     if out.finished:
                         reason = out.finish_reason or "stop"
-                        self.metrics.finished(reason, now - arrival, out.compression_ratio)
+                        tpot = (
+                            (now - first_token_time) / (sent_tokens - 1)
+                            if sent_tokens > 1 and first_token_time is not None
+                            else None
+                        )
+                        self.metrics.finished(reason, now - arrival, out.compression_ratio, tpot)
                         yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio,
                                     cached, new_ids, prompt_out)  # fmt: skip
                         return

@@ -149,7 +149,7 @@ def test_a_stopped_benchmark_takes_its_processes_and_requests_along(server, sig)
     their requests end and nothing left running."""
 
     def running() -> float:
-        return sum(metric_values(server.metrics(), "kvsparse_num_requests_running"))
+        return sum(metric_values(server.metrics(), "vllm:num_requests_running"))
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "bench", "serve", "--base-url", server.v1,
@@ -235,25 +235,26 @@ def test_a_rate_that_is_not_positive_is_a_usage_error(capsys):
 
 def test_server_metrics_are_summed_over_label_sets_from_prometheus_text():
     text = "\n".join([
-        "# HELP kvsparse_time_to_first_token_seconds Time from request arrival ...",
-        "# TYPE kvsparse_time_to_first_token_seconds histogram",
-        'kvsparse_time_to_first_token_seconds_bucket{le="0.1",model_name="a b}"} 1.0',
-        'kvsparse_time_to_first_token_seconds_sum{model_name="a b}"} 0.5',
-        'kvsparse_time_to_first_token_seconds_count{model_name="a b}"} 2.0',
-        'kvsparse_time_to_first_token_seconds_sum{model_name="c"} 1.5',
-        'kvsparse_time_to_first_token_seconds_count{model_name="c"} 3.0',
-        "kvsparse_time_to_first_token_seconds_created 1.7e9",
-        "kvsparse_num_requests_running 4.0",
+        "# HELP vllm:time_to_first_token_seconds Time from request arrival ...",
+        "# TYPE vllm:time_to_first_token_seconds histogram",
+        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="a b}"} 1.0',
+        'vllm:time_to_first_token_seconds_sum{model_name="a b}"} 0.5',
+        'vllm:time_to_first_token_seconds_count{model_name="a b}"} 2.0',
+        'vllm:time_to_first_token_seconds_sum{model_name="c"} 1.5',
+        'vllm:time_to_first_token_seconds_count{model_name="c"} 3.0',
+        "vllm:time_to_first_token_seconds_created 1.7e9",
+        "vllm:num_requests_running 4.0",
         'kvsparse_gpu_memory_peak_bytes{pool="a"} 2.5e10',
         'kvsparse_gpu_memory_peak_bytes{pool="b"} 2.25e10',
     ])  # fmt: skip
     # TTFT summed, GPU memory the highest of the engines'.
     assert parse_server_metrics(text) == ServerReading(2.0, 5.0, 2.5e10)
-    unlabelled = "kvsparse_time_to_first_token_seconds_sum 0.25 1700000000\n" + (
-        "kvsparse_time_to_first_token_seconds_count 1"
+    unlabelled = "vllm:time_to_first_token_seconds_sum 0.25 1700000000\n" + (
+        "vllm:time_to_first_token_seconds_count 1"
     )
     assert parse_server_metrics(unlabelled) == ServerReading(0.25, 1.0, None)
-    assert parse_server_metrics("vllm:time_to_first_token_seconds_sum 3.0\n") is None
+    # Ray's name of it is not on a server's own /metrics.
+    assert parse_server_metrics("ray_vllm_time_to_first_token_seconds_sum 3.0\n") is None
     assert default_metrics_url("http://host:8000/v1") == "http://host:8000/metrics"
 
 

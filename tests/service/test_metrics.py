@@ -24,17 +24,19 @@ from tests.service.servers import (
 LONG_PROMPT = " ".join(f"Line {i}: the value is {i * 13 % 97}." for i in range(40))
 
 EXPECTED = [
-    "kvsparse_time_to_first_token_seconds_bucket",
-    "kvsparse_inter_token_latency_seconds_bucket",
-    "kvsparse_e2e_request_latency_seconds_bucket",
-    "kvsparse_prompt_tokens_total",
-    "kvsparse_generation_tokens_total",
-    "kvsparse_num_requests_running",
-    "kvsparse_num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
     "kvsparse_kv_blocks_used",
     "kvsparse_kv_blocks_free",
     "kvsparse_compression_ratio_bucket",
-    "kvsparse_requests_finished_total",
+    "vllm:request_success_total",
+    "vllm:request_time_per_output_token_seconds_bucket",
+    "vllm:kv_cache_usage_perc",
 ]
 
 
@@ -54,13 +56,23 @@ def test_metrics_are_present_and_move_with_traffic(real_server):
             before, name, **pool, **labels
         )
 
-    assert delta("kvsparse_prompt_tokens_total") == out.usage.prompt_tokens
-    assert delta("kvsparse_generation_tokens_total") == 6
-    assert delta("kvsparse_requests_finished_total", finished_reason="length") == 1
-    assert delta("kvsparse_time_to_first_token_seconds_count") == 1
-    assert delta("kvsparse_e2e_request_latency_seconds_count") == 1
-    assert delta("kvsparse_inter_token_latency_seconds_count") == 5
-    assert delta("kvsparse_time_to_first_token_seconds_sum") > 0
+    assert delta("vllm:prompt_tokens_total") == out.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 6
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 5
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
+    assert delta("vllm:request_time_per_output_token_seconds_count") == 1
+    # vLLM's KV usage gauge: the fullest group's share of its blocks.
+    usage = metric_sum(after, "vllm:kv_cache_usage_perc", **pool)
+    fullest = max(
+        metric_sum(after, "kvsparse_kv_blocks_used", group=g, **pool)
+        / (metric_sum(after, "kvsparse_kv_blocks_used", group=g, **pool)
+           + metric_sum(after, "kvsparse_kv_blocks_free", group=g, **pool))
+        for g in ("full", "budget64")
+    )  # fmt: skip
+    assert usage == pytest.approx(fullest)
     # The prompt (~400 tokens) was compressed to a budget of 64 in 28 of 30 layers.
     assert delta("kvsparse_compression_ratio_count") == 1
     assert delta("kvsparse_compression_ratio_sum") > 3
@@ -85,15 +97,18 @@ def test_gpu_memory_peak_is_shown_as_the_engine_reports_it(real_server):
     assert metric_values(text, "kvsparse_gpu_memory_peak_bytes", pool="p") == [3 * 2**30]
 
 
-def test_refused_requests_count_as_errors(real_server):
-    before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
-                        finished_reason="error")  # fmt: skip
+def test_refused_requests_are_the_clients_errors_not_the_servers(real_server):
+    """A 400 moves neither the server-error counter (the error-rate alert's numerator) nor
+    vLLM's success counter."""
+    metrics = real_server.metrics()
+    errors, finished = (metric_sum(metrics, n) for n in ("kvsparse_request_errors_total",
+                                                          "vllm:request_success_total"))  # fmt: skip
     client = openai.OpenAI(base_url=real_server.v1, api_key=real_server.api_key, max_retries=0)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="word " * 1100, max_tokens=1)
-    after = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
-                       finished_reason="error")  # fmt: skip
-    assert after == before + 1
+    metrics = real_server.metrics()
+    assert metric_sum(metrics, "kvsparse_request_errors_total") == errors
+    assert metric_sum(metrics, "vllm:request_success_total") == finished
 
 
 def blocks_used(server) -> float:
@@ -102,7 +117,7 @@ def blocks_used(server) -> float:
 
 def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(real_server):
     wait_for(lambda: blocks_used(real_server) == 0)  # earlier tests' requests are done
-    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+    aborted_before = metric_sum(real_server.metrics(), "vllm:request_success_total",
                                 finished_reason="abort")  # fmt: skip
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 500, "ignore_eos": True,
             "stream": True}  # fmt: skip
@@ -119,38 +134,38 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(real_server):
     # The connection is closed: the request is aborted, its blocks freed.
     wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
     metrics = real_server.metrics()
-    assert metric_sum(metrics, "kvsparse_requests_finished_total", finished_reason="abort") == (
+    assert metric_sum(metrics, "vllm:request_success_total", finished_reason="abort") == (
         aborted_before + 1
     )
-    assert metric_sum(metrics, "kvsparse_num_requests_running", pool="snapkv-64") == 0
+    assert metric_sum(metrics, "vllm:num_requests_running", pool="snapkv-64") == 0
 
 
 def test_a_refused_prompt_aborts_the_ones_before_it_in_its_request(real_server):
     """Each prompt of a request is queued as it is validated: when a later one is refused, the
     earlier ones, queued already, are aborted and their blocks freed."""
     wait_for(lambda: blocks_used(real_server) == 0)
-    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+    aborted_before = metric_sum(real_server.metrics(), "vllm:request_success_total",
                                 finished_reason="abort")  # fmt: skip
     body = {"model": MODEL, "prompt": [list(range(100, 400)), [10**9]], "max_tokens": 500,
             "ignore_eos": True}  # fmt: skip
     headers = {"Authorization": f"Bearer {real_server.api_key}"}
     response = httpx.post(real_server.v1 + "/completions", json=body, headers=headers)
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
-    wait_for(lambda: metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+    wait_for(lambda: metric_sum(real_server.metrics(), "vllm:request_success_total",
                                 finished_reason="abort") == aborted_before + 1)  # fmt: skip
     wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
-    assert metric_sum(real_server.metrics(), "kvsparse_num_requests_running", pool="snapkv-64") == 0
+    assert metric_sum(real_server.metrics(), "vllm:num_requests_running", pool="snapkv-64") == 0
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts_too(real_server):
     wait_for(lambda: blocks_used(real_server) == 0)
-    aborted_before = metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+    aborted_before = metric_sum(real_server.metrics(), "vllm:request_success_total",
                                 finished_reason="abort")  # fmt: skip
     body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 500, "ignore_eos": True}
     headers = {"Authorization": f"Bearer {real_server.api_key}"}
     abandon_request(real_server.v1 + "/completions", body, headers,
                     generating=lambda: blocks_used(real_server) > 0)  # fmt: skip
-    wait_for(lambda: metric_sum(real_server.metrics(), "kvsparse_requests_finished_total",
+    wait_for(lambda: metric_sum(real_server.metrics(), "vllm:request_success_total",
                                 finished_reason="abort") == aborted_before + 1)  # fmt: skip
     wait_for(lambda: blocks_used(real_server) == 0, timeout=10)
 
@@ -171,7 +186,5 @@ def test_preemptions_are_counted():
             return [out.usage.completion_tokens for out in outs]
 
         assert asyncio.run(run_all()) == [200] * 4
-        metrics = wait_for(
-            lambda: metric_values(server.metrics(), "kvsparse_num_preemptions_total")
-        )
+        metrics = wait_for(lambda: metric_values(server.metrics(), "vllm:num_preemptions_total"))
         assert sum(metrics) >= 1

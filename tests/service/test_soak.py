@@ -93,7 +93,7 @@ async def load(base: str, count: int, seed: int) -> Counter:
 
 def idle(server: ServeProcess) -> bool:
     text = httpx.get(server.base_url + "/metrics", timeout=10).text
-    names = ["kvsparse_num_requests_running", "kvsparse_num_requests_waiting",
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting",
              "kvsparse_kv_blocks_used"]  # fmt: skip
     return all(metric_sum(text, name, pool=pool) == 0 for name in names
                for pool in ("snapkv-64", "dense"))  # fmt: skip

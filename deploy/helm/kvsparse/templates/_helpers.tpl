@@ -191,3 +191,38 @@ to stop sending to it.
 {{- end -}}
 {{- $drain -}}
 {{- end }}
+
+{{/* Every metric series the application exports, by the name a standalone server gives it
+(service.metrics.RAY_NAMES; tests/deploy keeps the two equal). */}}
+{{- define "kvsparse.metricSeries" -}}
+[
+  "vllm:time_to_first_token_seconds_bucket",
+  "vllm:time_to_first_token_seconds_sum",
+  "vllm:time_to_first_token_seconds_count",
+  "vllm:inter_token_latency_seconds_bucket",
+  "vllm:inter_token_latency_seconds_sum",
+  "vllm:inter_token_latency_seconds_count",
+  "vllm:request_time_per_output_token_seconds_bucket",
+  "vllm:request_time_per_output_token_seconds_sum",
+  "vllm:request_time_per_output_token_seconds_count",
+  "vllm:e2e_request_latency_seconds_bucket",
+  "vllm:e2e_request_latency_seconds_sum",
+  "vllm:e2e_request_latency_seconds_count",
+  "vllm:prompt_tokens_total",
+  "vllm:generation_tokens_total",
+  "vllm:num_requests_running",
+  "vllm:num_requests_waiting",
+  "vllm:kv_cache_usage_perc",
+  "vllm:num_preemptions_total",
+  "vllm:request_success_total",
+  "vllm:prefix_cache_queries_total",
+  "vllm:prefix_cache_hits_total",
+  "kvsparse_request_errors_total",
+  "kvsparse_kv_blocks_used",
+  "kvsparse_kv_blocks_free",
+  "kvsparse_compression_ratio_bucket",
+  "kvsparse_compression_ratio_sum",
+  "kvsparse_compression_ratio_count",
+  "kvsparse_gpu_memory_peak_bytes"
+]
+{{- end }}
