@@ -196,9 +196,9 @@ def build_app(
         max_tokens: int | None,
         fmt: CompletionFormat,
     ) -> Response:
-        if req.model != settings.served_model_name:
+        if req.model not in settings.served_model_names:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
-                           f"{settings.served_model_name!r}", param="model",
+                           f"{' or '.join(map(repr, settings.served_model_names))}", param="model",
                            code="model_not_found")  # fmt: skip
         pool = settings.select_pool(req.kvsparse)
         if not prompts:
@@ -308,32 +308,35 @@ def build_app(
             request, req, prompts, req.max_new_tokens, ChatFormat(req.model, req.return_token_ids)
         )
 
-    card = {
-        "id": settings.served_model_name,
-        "object": "model",
-        "created": started,
-        "owned_by": "kvsparse",
-        "max_model_len": settings.max_model_len,
-        "kvsparse": {
-            "pools": [p.describe() for p in settings.pools],
-            "quantization": settings.quantization,
-            "checkpoint_quantization": settings.checkpoint_quantization,
-            "kv_cache_dtype": settings.kv_cache_dtype,
-        },
+    cards = {
+        name: {
+            "id": name,
+            "object": "model",
+            "created": started,
+            "owned_by": "kvsparse",
+            "max_model_len": settings.max_model_len,
+            "kvsparse": {
+                "pools": [p.describe() for p in settings.pools],
+                "quantization": settings.quantization,
+                "checkpoint_quantization": settings.checkpoint_quantization,
+                "kv_cache_dtype": settings.kv_cache_dtype,
+            },
+        }
+        for name in settings.served_model_names
     }
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": list(cards.values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> dict[str, Any]:
         authorize(request)
-        if model_id != settings.served_model_name:
+        if model_id not in cards:
             raise APIError(404, f"The model {model_id!r} does not exist", param="model",
                            code="model_not_found")  # fmt: skip
-        return card
+        return cards[model_id]
 
     @app.get("/health")
     async def health() -> dict[str, str]:

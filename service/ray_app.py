@@ -61,7 +61,7 @@ class RayAppConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     sparsity: dict[str, Any] = field(default_factory=dict)  # SparsityConfig fields
     pools: str | None = None  # "snapkv,dense,snapkv:256": one engine deployment per entry
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # one name or several (metrics: the first)
     api_key: str | None = None  # else $KVSPARSE_API_KEY in the ingress replicas' environment
     # Per ingress replica, beyond which requests get 429; None: 4 x max_num_seqs for each engine
     # replica the pools can scale to, shared among the ingress replicas.
@@ -134,6 +134,10 @@ class RayAppConfig:
         from sparse_core.engine_args import config_from_mapping
 
         return config_from_mapping(SparsityConfig, self.sparsity, "sparsity")
+
+    def served_model_names(self) -> list[str]:
+        name = self.served_model_name or self.model
+        return [name] if isinstance(name, str) else list(name)
 
     def ingress_max_inflight(self, engine: EngineConfig, num_pools: int) -> int:
         """Requests one ingress replica holds at once (running, queued, streaming)."""
@@ -342,7 +346,8 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     cfg = RayAppConfig.from_dict(dict(args))
     engine = cfg.engine_config()
     pools = parse_pools(cfg.pools, cfg.sparsity_config())
-    served_name = cfg.served_model_name or cfg.model
+    served_names = cfg.served_model_names()
+    served_name = served_names[0]
     options = engine_options(cfg, engine)
     engines = {}
     for sparsity in pools:
@@ -353,7 +358,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         )  # fmt: skip
     max_inflight = cfg.ingress_max_inflight(engine, len(pools))
     settings = ServerSettings(
-        served_model_name=served_name,
+        served_model_names=served_names,
         max_model_len=engine.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         quantization=engine.quantization,

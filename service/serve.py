@@ -59,7 +59,14 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV}); an empty "
         "key is an error",
     )
-    server.add_argument("--served-model-name", default=None, help="default: the model argument")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the names clients send as model, one or several (metrics carry the first); "
+        "default: the model argument",
+    )
     server.add_argument(
         "--pools",
         default=None,
@@ -202,7 +209,7 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
     pools = parse_pools(args.pools, sparsity)
     max_inflight = args.max_inflight_requests or 4 * engine_config.max_num_seqs * len(pools)
     settings = ServerSettings(
-        served_model_name=args.served_model_name or args.model,
+        served_model_names=args.served_model_name or [args.model],
         max_model_len=engine_config.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         quantization=engine_config.quantization,

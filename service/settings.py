@@ -101,7 +101,9 @@ def parse_pools(text: str | None, base: SparsityConfig) -> list[SparsityConfig]:
 
 @dataclass
 class ServerSettings:
-    served_model_name: str
+    # The names clients may send as "model" (vLLM's --served-model-name takes several); the
+    # first is the one metrics carry.
+    served_model_names: list[str]
     max_model_len: int
     pools: list[PoolSpec]
     api_key: str | None = None
@@ -126,6 +128,12 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_api_key(self.api_key)
+        if not self.served_model_names or not all(n.strip() for n in self.served_model_names):
+            raise ValueError(f"served model names must be non-empty, got {self.served_model_names}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.served_model_names[0]
 
     def select_pool(self, options: KVSparseOptions | None) -> PoolSpec:
         if options is None or (options.policy is None and options.budget is None):

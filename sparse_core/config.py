@@ -287,7 +287,8 @@ class EngineConfig:
 
     model: str = option(
         "smollm2-135m-instruct",
-        "built-in alias, Hugging Face directory, .gguf file or dummy:<preset>",
+        "built-in alias, Hugging Face directory or repository id (org/name), .gguf file or "
+        "dummy:<preset>",
     )
     max_num_seqs: int = option(64, "sequences running at once")
     max_model_len: int = option(8192, "prompt + output tokens of a sequence")

@@ -402,3 +402,31 @@ def test_not_a_model(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         load_model_source(str(tmp_path))
+
+
+def test_hf_repository_id_loads_from_the_hub_cache(tmp_path: Path, monkeypatch) -> None:
+    """`org/name` (as vLLM takes it) is read from the Hugging Face cache; offline, a repository
+    that is not there is a clear error naming the way out."""
+    import huggingface_hub.constants as hub
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--kvsparse-test--tiny-llama"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=300, max_position_embeddings=1024,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    state = _save_tiny(snapshot, config, transformers.LlamaForCausalLM)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+
+    src = load_model_source("kvsparse-test/tiny-llama")
+    assert Path(src.path) == snapshot.resolve()
+    assert src.config.hidden_size == 64 and set(src.weights) == set(state)
+    assert src.config.name == "kvsparse-test/tiny-llama"  # what profiles are looked up by
+    with pytest.raises(ValueError, match="huggingface-cli download kvsparse-test/missing"):
+        load_model_source("kvsparse-test/missing")

@@ -1,7 +1,9 @@
 """Resolve a model string to its config, weights (HF parameter names) and tokenizer.
 
 Accepted: the built-in alias, a `.gguf` file (Llama / Qwen2), a Hugging Face model directory
-(`config.json` + `*.safetensors`), or `dummy:<preset>` (random weights made by the caller).
+(`config.json` + `*.safetensors`), a Hugging Face repository id (`org/name`: its files from the
+local Hugging Face cache, downloaded into it first where the hub can be reached), or
+`dummy:<preset>` (random weights made by the caller).
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ def load_model_source(model: str, hf_overrides: dict[str, Any] | None = None) ->
         source = _load_gguf(Path(builtin_model_path(model)), name=model)
     else:
         path = Path(model).expanduser()
+        from_hub = not path.exists() and HF_REPO_ID.fullmatch(model) is not None
+        if from_hub:
+            path = hub_snapshot(model)
         if not path.exists():
             raise ValueError(f"model {model!r}: no such file or directory. {_accepted()}")
         if path.is_file() and path.suffix == ".gguf":
@@ -83,8 +88,34 @@ def load_model_source(model: str, hf_overrides: dict[str, Any] | None = None) ->
             raise ValueError(
                 f"model {model!r} is neither a .gguf file nor a model directory with config.json. {_accepted()}"
             )
+        if from_hub:  # named by its repository (calibrated profiles, logs), not the snapshot
+            source.config = dataclasses.replace(source.config, name=model)
     source.config = source.config.with_overrides(hf_overrides)
     return source
+
+
+# A Hugging Face repository id: one slash between two names, which is not a path that exists.
+HF_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+# What the engine reads of a repository: config, weights, tokenizer (no other weight formats).
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"]
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local directory of a Hugging Face repository: the cached snapshot (HF_HOME), after a
+    download of what is missing where the hub can be reached (its progress is shown); offline
+    (HF_HUB_OFFLINE=1, or no network) only the cache. A clear ValueError when neither has it."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        raise ValueError(
+            f"model {repo_id!r}: not a file or directory here, and the Hugging Face repository "
+            f"of that name could not be read ({type(exc).__name__}: {exc}). Download it where "
+            f"the hub can be reached (huggingface-cli download {repo_id}, into the same HF_HOME), "
+            f"set HF_TOKEN for a gated repository, or give a local path. {_accepted()}"
+        ) from None
 
 
 def builtin_model_path(alias: str) -> str:
@@ -112,7 +143,8 @@ def builtin_model_path(alias: str) -> str:
 def _accepted() -> str:
     return (
         f"Expected a built-in alias ({', '.join(BUILTIN_MODELS)}), a path to a .gguf file, "
-        "a Hugging Face model directory (config.json + *.safetensors), "
+        "a Hugging Face model directory (config.json + *.safetensors) or repository id "
+        "(org/name), "
         f"or dummy:<preset> (presets: {', '.join(DUMMY_PRESETS)})."
     )
 

@@ -115,7 +115,7 @@ def standalone(
     **limits: int,
 ) -> contextlib.AbstractContextManager[Server]:
     settings = ServerSettings(
-        served_model_name=engine.model,
+        served_model_names=[engine.model],
         max_model_len=engine.max_model_len,
         pools=[PoolSpec.of(p) for p in pools],
         api_key=api_key,

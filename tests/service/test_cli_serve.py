@@ -16,7 +16,7 @@ from tests.service.servers import ServeProcess
 def served():
     server = ServeProcess(["dummy:tiny", "--host", "127.0.0.1", "--policy", "dense",
                            "--max-model-len", "256", "--kv-cache-memory-gb", "0.01",
-                           "--served-model-name", "tiny", "--log-level", "warning",
+                           "--served-model-name", "tiny", "org/tiny-alias", "--log-level", "warning",
                            "--kv-cache-dtype", "fp8"],
                           env={"KVSPARSE_API_KEY": "env-key"})  # fmt: skip
     try:
@@ -27,18 +27,29 @@ def served():
         server.stop()
 
 
-def test_serves_the_model_under_its_served_name_with_its_kv_cache_dtype(served):
-    models = httpx.get(served + "/v1/models", headers={"Authorization": "Bearer env-key"})
-    assert [m["id"] for m in models.json()["data"]] == ["tiny"]
+def test_serves_the_model_under_its_served_names_with_its_kv_cache_dtype(served):
+    """Several --served-model-name names, as vLLM takes them: each listed, each answered under
+    its own name; any other is a 404."""
+    headers = {"Authorization": "Bearer env-key"}
+    models = httpx.get(served + "/v1/models", headers=headers)
+    assert [m["id"] for m in models.json()["data"]] == ["tiny", "org/tiny-alias"]
     card = models.json()["data"][0]
     assert card["max_model_len"] == 256
     assert (card["kvsparse"]["kv_cache_dtype"], card["kvsparse"]["quantization"]) == ("fp8", None)
-    out = httpx.post(
-        served + "/v1/completions",
-        json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
-        headers={"Authorization": "Bearer env-key"},
+    for name in ("tiny", "org/tiny-alias"):
+        out = httpx.post(
+            served + "/v1/completions",
+            json={"model": name, "prompt": "Hello", "max_tokens": 3, "ignore_eos": True},
+            headers=headers,
+        )
+        assert out.json()["usage"]["completion_tokens"] == 3 and out.json()["model"] == name
+        assert httpx.get(served + f"/v1/models/{name}", headers=headers).json()["id"] == name
+    other = httpx.post(served + "/v1/completions", headers=headers,
+                       json={"model": "tinyy", "prompt": "Hello", "max_tokens": 1})  # fmt: skip
+    assert (
+        other.status_code == 404
+        and "'tiny' or 'org/tiny-alias'" in other.json()["error"]["message"]
     )
-    assert out.json()["usage"]["completion_tokens"] == 3
 
 
 def test_the_key_comes_from_the_environment(served):

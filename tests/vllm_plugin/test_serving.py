@@ -47,7 +47,7 @@ def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
     expected = native.generate([prompt], params)[0]
 
     settings = ServerSettings(
-        served_model_name=MODEL, max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
+        served_model_names=[MODEL], max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
     )
     engine = dataclasses.replace(ENGINE, kv_cache_dtype=kv_cache_dtype)
     app = build_standalone_app(engine, [SPARSE], settings, engine="vllm")
@@ -86,7 +86,7 @@ def test_a_random_weight_model_serves_through_vllm():
     with the OpenAI error format."""
     engine = dataclasses.replace(ENGINE, model="dummy:tiny")
     settings = ServerSettings(
-        served_model_name="dummy:tiny", max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
+        served_model_names=["dummy:tiny"], max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
     )
     app = build_standalone_app(engine, [SPARSE], settings, engine="vllm")
     prompt = list(range(3, 303))  # 300 token ids: longer than the budget of 96
