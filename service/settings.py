@@ -65,17 +65,35 @@ class PoolSpec:
 
     policy: str
     budget: int | None  # None: dense
+    # Which layers keep every token, as configured: "auto" (the model's calibrated profile),
+    # "first 3" (no choice made: the article's shape), "per-layer budgets", or the layers given.
+    full_layers: str = "all"
 
     @classmethod
     def of(cls, sparsity: SparsityConfig) -> PoolSpec:
-        return cls(sparsity.policy, sparsity.budget if sparsity.compresses else None)
+        if not sparsity.compresses:
+            return cls(sparsity.policy, None)
+        return cls(sparsity.policy, sparsity.budget, describe_full_layers(sparsity))
 
     @property
     def name(self) -> str:
         return self.policy if self.budget is None else f"{self.policy}-{self.budget}"
 
     def describe(self) -> dict[str, object]:
-        return {"name": self.name, "policy": self.policy, "budget": self.budget}
+        return {"name": self.name, "policy": self.policy, "budget": self.budget,
+                "full_layers": self.full_layers}  # fmt: skip
+
+
+def describe_full_layers(sparsity: SparsityConfig) -> str:
+    """What a compressing pool keeps whole, as /v1/models reports it."""
+    if sparsity.layer_budgets is not None:
+        return "per-layer budgets" + (" (calibrated)" if sparsity.layer_budgets == "auto" else "")
+    spec = sparsity.full_layers
+    if spec is None:
+        return "first 3 (no calibrated profile chosen)"
+    if spec == "auto":
+        return "auto (calibrated profile)"
+    return f"first {spec}" if isinstance(spec, int) else ",".join(map(str, spec))
 
 
 def parse_pools(text: str | None, base: SparsityConfig) -> list[SparsityConfig]:

@@ -161,6 +161,15 @@ def layer_budgets(
 
 def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> list[int]:
     spec = DEFAULT_FULL_LAYERS if sparsity.full_layers is None else sparsity.full_layers
+    if sparsity.full_layers is None:
+        logger.info(
+            "%s: the first %d layers kept whole (no full_layers given); %s",
+            model_name,
+            DEFAULT_FULL_LAYERS,
+            "full_layers='auto' takes its calibrated profile"
+            if has_profile(model_name)
+            else "`kvsparse calibrate` finds the layers this model needs whole",
+        )
     if spec == "auto":
         spec = load_profile(model_name)["full_layers"]
     if isinstance(spec, int):

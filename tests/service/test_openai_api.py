@@ -43,6 +43,8 @@ def test_models_lists_the_served_model_and_its_pools(client):
     assert [m.id for m in models] == [MODEL]
     pools = models[0].model_extra["kvsparse"]["pools"]
     assert [p["name"] for p in pools] == ["snapkv-64", "dense"]
+    # What each keeps whole, as configured (tests/service/servers.py: the first 2 layers).
+    assert [p["full_layers"] for p in pools] == ["first 2", "all"]
 
 
 def test_completion_matches_the_engine(client, reference):
