@@ -141,22 +141,58 @@ def test_a_prefill_that_caches_keeps_its_full_blocks_and_a_hit_starts_after_them
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (190, 80)
 
 
-def test_cached_blocks_count_as_free_and_leave_least_recently_used_first():
+def ids(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_used_first():
+    """A prefix found again (proven) outlives newer ones never found; a miss does not evict a
+    cached prefix to cache its own (it runs as without the cache)."""
     bm = manager(caching=True)
-    a = prefilled(bm, sequence("a", 64))  # 4 full blocks cached in the sparse group
-    bm.free(a)
-    assert [pool.num_cached for pool in bm.pools] == [4, 4]
-    assert [pool.num_free for pool in bm.pools] == BLOCKS
-    b = prefilled(bm, Sequence("b", list(range(500, 564)), SamplingParams(), 2))
-    bm.free(b)  # a's blocks are now the least recently used
-    assert [pool.num_cached for pool in bm.pools] == [8, 8]
-    c = Sequence("c", list(range(900, 1000)), SamplingParams(), 2)
-    bm.allocate(c)  # 10 sparse blocks of 12: six cached ones leave, a's four first
-    assert [len(blocks) for blocks in bm.cached_blocks(sequence("a", 64))] == [0, 0]
-    # Then b's last two: a prefix's tail leaves before its head, which the rest still needs.
-    b_again = Sequence("b2", list(range(500, 564)), SamplingParams(), 2)
-    assert [len(blocks) for blocks in bm.cached_blocks(b_again)] == [2, 2]
-    bm.check_invariants([c])
+    b = prefilled(bm, Sequence("b", ids(500, 64), SamplingParams(), 2))
+    bm.free(b)
+    assert [pool.num_free for pool in bm.pools] == BLOCKS  # cached blocks count as free
+    # b's 4 full blocks found again: proven. Its fifth (tokens 64-79) is new, unproven.
+    bm.free(prefilled(bm, Sequence("b2", ids(500, 80), SamplingParams(), 2)))
+    a = prefilled(bm, Sequence("a", ids(1, 64), SamplingParams(), 2))
+    bm.free(a)  # newer than b's, never found again
+    assert [pool.num_cached for pool in bm.pools] == [9, 9] and bm.pools[1].num_never_cached == 3
+    # Two misses of 100 tokens: caching would need 10 sparse blocks where 3 hold no prefix, so
+    # both run without the cache, keeping 3 blocks each: the second evicts 3 cached blocks,
+    # b2's fifth and a's last two (a prefix's tail leaves before its head).
+    c, d = (Sequence(n, ids(900 + 200 * i, 100), SamplingParams(), 2) for i, n in enumerate("cd"))
+    for seq in (c, d):
+        bm.allocate(seq)
+        assert not seq.caches_prefill
+    assert bm.pools[1].num_cached == 6
+    lookups = {"b": ids(500, 64), "a": ids(1, 64), "b2": ids(500, 80)}
+    found = {name: [len(blocks) for blocks in bm.cached_blocks(Sequence(name, tokens,
+             SamplingParams(), 2))] for name, tokens in lookups.items()}  # fmt: skip
+    assert found == {"b": [3, 3], "a": [2, 2], "b2": [4, 4]}
+    bm.check_invariants([c, d])
+
+
+def test_conversations_beyond_the_caches_room_keep_the_first_ones_hitting():
+    """Six conversations take turns, each turn its previous prompt and 16 more tokens, with
+    room in the sparse group (12 blocks) to cache about two of them. Least-recently-used
+    eviction alone would have every turn evict the prefix asked for next (no hit ever); here
+    the two conversations cached first hit at every later turn, the others run uncached."""
+    bm = manager(caching=True)
+    bases = [ids(1000 * (c + 1), 64) for c in range(6)]
+    hits: list[list[int]] = []
+    for turn in range(4):
+        hits.append([])
+        for c, base in enumerate(bases):
+            seq = Sequence(
+                f"c{c}t{turn}", base + ids(50_000 + turn, 16 * turn), SamplingParams(), 2
+            )
+            prefilled(bm, seq)
+            hits[-1].append(seq.num_cached_tokens)
+            bm.free(seq)
+            bm.check_invariants([])
+    assert hits[0] == [0] * 6
+    for turn in (1, 2, 3):
+        assert min(hits[turn][:2]) >= 32 and hits[turn][2:] == [0] * 4, hits
 
 
 def test_a_prefill_without_room_to_cache_runs_as_without_the_cache():

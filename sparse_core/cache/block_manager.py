@@ -33,7 +33,8 @@ class BlockManager:
     later prefill whose first full blocks are cached in every group starts after them: whole
     groups share the cached blocks, and compressing groups read them when they score and gather
     the prompt, then keep their own selection. A prefill without room for that caches nothing
-    and takes the blocks it takes without the cache.
+    and takes the blocks it takes without the cache; so does one that found nothing cached and
+    would have to evict a cached prefix to cache its own (`BlockPool`'s scan resistance).
     """
 
     def __init__(
@@ -107,9 +108,13 @@ class BlockManager:
 
     def _fits(self, admission: _Admission) -> bool:
         """Room in every group for the new blocks, beside the cached ones it takes out of the
-        cache (they no longer count as free)."""
+        cache (they no longer count as free). A prefill that would cache without having found
+        anything caches only into blocks that hold no cached prefix (`BlockPool`): a new
+        prefix does not displace the cached ones."""
+        new_prefix = admission.caches and not admission.cached[0]
         return all(
-            new + sum(pool.refs(b) == 0 for b in cached) <= pool.num_free
+            new + sum(pool.refs(b) == 0 for b in cached)
+            <= (pool.num_never_cached if new_prefix else pool.num_free)
             for new, cached, pool in zip(
                 admission.new_blocks, admission.cached, self.pools, strict=True
             )

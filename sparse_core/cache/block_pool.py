@@ -2,9 +2,18 @@
 
 A block is free, used (referenced by one or more sequences), or cached: it holds the KV of a
 full block of prompt tokens, known by its hash (`prefix_hash`), and no sequence uses it. Cached
-blocks count as free: allocation takes truly free blocks first, then evicts cached ones, least
-recently used first, so the cache only ever holds memory that no sequence needs. A used block
-with a hash stays findable, and sequences that share a prefix share its blocks.
+blocks count as free: allocation takes truly free blocks first, then evicts cached ones, so the
+cache only ever holds memory that no sequence needs. A used block with a hash stays findable,
+and sequences that share a prefix share its blocks.
+
+Eviction resists a scan: a cached block that a prefill has found again (*proven*) leaves only
+after every cached block that none has, each kind least recently used first; and a prefill that
+found nothing caches its blocks only where nothing is cached (`num_never_cached`; BlockManager
+decides). Without that, more live prefixes than the cache holds (64 chats cycling through room
+for 28) evict each other before they are asked for again and nothing ever hits; with it, the
+prefixes cached first stay and hit at every turn, and the others run as without the cache. The
+cost: once every block holds a cached prefix, a new one is cached only after running sequences
+have taken and released blocks (they evict unproven prefixes first), a few requests later.
 """
 
 from __future__ import annotations
@@ -31,14 +40,22 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._refs: dict[int, int] = {}  # used blocks: how many sequences hold each
-        self._cached: OrderedDict[int, None] = OrderedDict()  # unused, hashed: LRU first
+        # Unused, hashed blocks, least recently used first: never found again, and found again.
+        self._unproven: OrderedDict[int, None] = OrderedDict()
+        self._proven: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
+        self._found: set[int] = set()  # hashed blocks a prefill has found (used or cached)
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can take: free ones and cached ones."""
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._unproven) + len(self._proven)
+
+    @property
+    def num_never_cached(self) -> int:
+        """Free blocks that hold no cached prefix: what an allocation takes without evicting."""
+        return len(self._free)
 
     @property
     def num_used(self) -> int:
@@ -47,7 +64,7 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         """Cached blocks no sequence uses (part of `num_free`)."""
-        return len(self._cached)
+        return len(self._unproven) + len(self._proven)
 
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
@@ -59,9 +76,10 @@ class BlockPool:
         for _ in range(count):
             if self._free:
                 block = self._free.popleft()
-            else:  # the least recently used cached block leaves the cache
-                block, _ = self._cached.popitem(last=False)
+            else:  # a cached block leaves the cache: unproven ones first, each LRU first
+                block, _ = (self._unproven or self._proven).popitem(last=False)
                 del self._block_of[self._hash_of.pop(block)]
+                self._found.discard(block)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
@@ -78,7 +96,7 @@ class BlockPool:
                 continue
             del self._refs[block]
             if block in self._hash_of:
-                self._cached[block] = None
+                (self._proven if block in self._found else self._unproven)[block] = None
             else:
                 self._free.append(block)
 
@@ -96,13 +114,15 @@ class BlockPool:
         return blocks
 
     def take_cached(self, blocks: list[int]) -> None:
-        """Reference blocks found by `cached_prefix` (a cached one becomes used again)."""
+        """Reference blocks found by `cached_prefix` (a cached one becomes used again); each is
+        proven from now on."""
         for block in blocks:
-            if block in self._cached:
-                del self._cached[block]
-                self._refs[block] = 1
-            else:
+            self._found.add(block)
+            if block in self._refs:
                 self._refs[block] += 1
+            else:
+                (self._unproven if block in self._unproven else self._proven).pop(block)
+                self._refs[block] = 1
 
     def register(self, blocks: list[int], hashes: list[BlockHash]) -> None:
         """Make used blocks findable by their prefix hashes (a hash some block has already
@@ -116,18 +136,24 @@ class BlockPool:
     def clear_cache(self) -> None:
         """Every cached block back to the free list, every hash forgotten (no block in use)."""
         assert not self._refs, "clearing the cache while blocks are in use"
-        self._free.extend(self._cached)
-        self._cached.clear()
+        for cached in (self._unproven, self._proven):
+            self._free.extend(cached)
+            cached.clear()
         self._hash_of.clear()
         self._block_of.clear()
+        self._found.clear()
 
     def check(self) -> None:
         """Free, used and cached blocks partition the pool; the hash maps agree; every cached
         block has a hash."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"
-        used, cached = set(self._refs), set(self._cached)
+        used, unproven, proven = set(self._refs), set(self._unproven), set(self._proven)
+        assert not unproven & proven, "a cached block is both proven and not"
+        cached = unproven | proven
         assert not free & used and not free & cached and not used & cached, "a block is twice"
+        assert proven <= self._found and not unproven & self._found, "misfiled cached block"
+        assert self._found <= set(self._hash_of), "a found block without a hash"
         assert len(free) + len(used) + len(cached) == self.num_blocks, "blocks leaked"
         assert all(refs > 0 for refs in self._refs.values())
         assert cached <= set(self._hash_of), "a cached block without a hash"
