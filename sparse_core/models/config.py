@@ -1,4 +1,5 @@
-"""Shape and hyper-parameters of a Llama-architecture model (Llama 2/3, Mistral, Qwen2, SmolLM2)."""
+"""Shape and hyper-parameters of a Llama-architecture model (Llama 2/3, Mistral, Qwen2, Qwen3,
+SmolLM2)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class ModelConfig:
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on the q/k/v projections
+    # Qwen3: an RMSNorm over each query and key head (weights of head_dim) before RoPE.
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = "model"
@@ -72,6 +75,7 @@ class ModelConfig:
             max_position_embeddings=hf.get("max_position_embeddings", 8192),
             tie_word_embeddings=hf.get("tie_word_embeddings", False),
             attention_bias=hf.get("attention_bias", hf.get("model_type") == "qwen2"),
+            qk_norm=hf.get("model_type") == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
@@ -108,6 +112,21 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         },
         max_position_embeddings=131072,
         name="dummy:llama3-8b",
+    ),
+    # Qwen3-8B's shape: head_dim 128 set apart from the hidden size, norms on q and k.
+    "qwen3-8b": ModelConfig(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        qk_norm=True,
+        name="dummy:qwen3-8b",
     ),
     "smollm2-135m": ModelConfig(
         hidden_size=576,

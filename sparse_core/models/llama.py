@@ -63,6 +63,13 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False)
         self.attn = attn
+        # Qwen3's per-head norms (one weight vector of head_dim, replicated on every rank).
+        self.q_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, attn.ops) if config.qk_norm else None
+        )
+        self.k_norm = (
+            RMSNorm(config.head_dim, config.rms_norm_eps, attn.ops) if config.qk_norm else None
+        )
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], before RoPE (`attend` applies it)."""
@@ -74,13 +81,12 @@ class LlamaAttention(nn.Module):
         """qkv [T, (Hq + 2 Hkv) * D] -> attention output [T, Hq * D] (before o_proj); RoPE is
         applied to q and k in place as the keys and values are stored."""
         q, k, v = qkv.split(self.split, dim=-1)
-        out = self.attn(
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            positions,
-            meta,
-        )
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view_as(k)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), positions, meta)
         return out.flatten(1)
 
 

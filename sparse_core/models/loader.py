@@ -38,7 +38,7 @@ BUILTIN_MODELS = {
 # alias -> environment variable that may name the file instead (machines without the package)
 BUILTIN_MODEL_ENV = {"smollm2-135m-instruct": "KVSPARSE_SMOLLM2_GGUF"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -258,6 +258,10 @@ def _load_hf_dir(path: Path) -> ModelSource:
     if hf.get("model_type") not in HF_MODEL_TYPES:
         raise ValueError(
             f"{path}: model_type {hf.get('model_type')!r} is not supported; supported: {HF_MODEL_TYPES}"
+        )
+    if hf.get("use_sliding_window"):
+        raise ValueError(
+            f"{path}: use_sliding_window is set; sliding-window attention is not supported"
         )
     config = ModelConfig.from_hf_dict(hf, name=path.name)
     quantization = parse_quantization_config(hf.get("quantization_config"), str(path))
