@@ -277,7 +277,7 @@ def test_the_server_takes_and_reports_the_checkpoint_quantization(tmp_path):
     assert engine.quantization == "fp8"
     assert RayAppConfig(model=str(tmp_path)).engine_config().quantization == "fp8"
     settings = ServerSettings(
-        served_model_name="m",
+        served_model_names=["m"],
         max_model_len=256,
         pools=[PoolSpec.of(sparsity)],
         quantization=engine.quantization,
