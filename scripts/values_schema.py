@@ -109,10 +109,6 @@ def value_schema(value: Any, path: str) -> dict[str, Any]:
         return {"type": "array"}
     if value is None:
         return {}
-    if isinstance(value, bool):
-        return {"type": "boolean"}
-    if isinstance(value, int):
-        return {"type": "integer"}
     return {"type": JSON_TYPES[type(value)]}
 
 

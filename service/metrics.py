@@ -83,9 +83,14 @@ DEFINITIONS = [
 ]  # fmt: skip
 
 
+def ray_metric_name(name: str) -> str:
+    """The name a metric is registered under with Ray, which refuses `:` in names."""
+    return name.replace(":", "_")
+
+
 def ray_name(name: str) -> str:
-    """A metric's name as Ray exports it: `ray_`, and `_` for `:`."""
-    return "ray_" + name.replace(":", "_")
+    """A metric's name as Ray exports it: Ray's prefix `ray_` added to its registered name."""
+    return "ray_" + ray_metric_name(name)
 
 
 def series(d: MetricDef) -> list[str]:
@@ -148,7 +153,7 @@ def _ray_factory() -> Callable[[MetricDef, tuple[str, ...]], Any]:
     from ray.util import metrics as ray_metrics
 
     def make(d: MetricDef, labels: tuple[str, ...]) -> _RayMetric:
-        name = d.name.replace(":", "_")  # Ray adds `ray_`, and refuses ':' in names
+        name = ray_metric_name(d.name)
         if d.kind == "histogram":
             return _RayMetric(ray_metrics.Histogram(name, d.help, list(d.buckets), labels))
         cls = ray_metrics.Counter if d.kind == "counter" else ray_metrics.Gauge
@@ -231,14 +236,11 @@ class MetricsRecorder:
     def engine_state(self, stats: EngineStats) -> None:
         self._m["vllm:num_requests_running"].set(stats.num_running, self._labels)
         self._m["vllm:num_requests_waiting"].set(stats.num_waiting, self._labels)
-        usage = 0.0
         for group, blocks in stats.kv_blocks.items():
             labels = self._with(group=group)
             self._m["kvsparse_kv_blocks_used"].set(blocks["used"], labels)
             self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
-            total = blocks["used"] + blocks["free"]
-            usage = max(usage, blocks["used"] / total if total else 0.0)
-        self._m["vllm:kv_cache_usage_perc"].set(usage, self._labels)
+        self._m["vllm:kv_cache_usage_perc"].set(stats.kv_used_fraction, self._labels)
         if stats.gpu_memory_peak_bytes is not None:
             self._m["kvsparse_gpu_memory_peak_bytes"].set(stats.gpu_memory_peak_bytes, self._labels)
         self._count("vllm:num_preemptions_total", stats.num_preemptions)

@@ -90,6 +90,7 @@ class EngineWorker:
         last_token_time: float | None = None
         first_token_time: float | None = None
         reason = "abort"  # unless the engine says otherwise: the consumer went away
+        ids = req.return_token_ids  # vLLM's: the prompt's ids go with the first token's
         try:
             # The request is queued already: closed from here on, even before the response
             # starts, this stream aborts it.
@@ -106,8 +107,6 @@ class EngineWorker:
                         gap = now - last_token_time if last_token_time is not None else None
                         self.metrics.tokens(new_tokens, gap)
                         last_token_time = now
-                    # vLLM's return_token_ids: the prompt's ids go with the first token's.
-                    ids = req.return_token_ids
                     new_ids = list(out.token_ids[sent_tokens:]) if ids else []
                     prompt_out = list(prompt_ids) if ids and sent_tokens == 0 else None
                     sent_tokens = len(out.token_ids)
@@ -242,9 +241,7 @@ class EngineWorker:
 
     def routing_stats(self) -> RoutingStats:
         stats = self.llm.stats()
-        free = min(
-            (g["free"] / g["total"] for g in stats.kv_blocks.values() if g["total"]), default=1.0
-        )
+        free = 1.0 - stats.kv_used_fraction
         max_seqs = self.config.max_num_seqs
         per_request = (1.0 - free) / stats.num_running if stats.num_running else 1.0 / max_seqs
         return RoutingStats(free, per_request, stats.num_running, stats.num_waiting, max_seqs)

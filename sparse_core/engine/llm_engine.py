@@ -59,6 +59,13 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
+    @property
+    def kv_used_fraction(self) -> float:
+        """KV blocks in use, of the fullest layer group (admission needs room in every group)."""
+        return max(
+            (g["used"] / g["total"] for g in self.kv_blocks.values() if g["total"]), default=0.0
+        )
+
 
 class LLMEngine:
     """With tensor_parallel_size > 1 the engine starts worker processes (ranks 1..tp-1); stop
