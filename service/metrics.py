@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sparse_core.engine.llm_engine import EngineStats
+    from sparse_core.policy import LayerPlan
 
 # Buckets follow vLLM's, so dashboards and alerts carry over.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -77,6 +78,11 @@ DEFINITIONS = [
     MetricDef("histogram", "kvsparse_compression_ratio",
               "Prompt token-layers over kept token-layers, per finished request (1 = dense).",
               buckets=tuple(COMPRESSION_BUCKETS)),
+    MetricDef("gauge", "kvsparse_layer_plan_info",
+              "1, labelled with the layers the engine keeps whole and where they came from: "
+              "calibrated (a calibrated profile), default (no profile: the first 3), configured "
+              "or none (dense).",
+              labels=("full_layers", "source")),
     MetricDef("gauge", "kvsparse_gpu_memory_peak_bytes",
               "Peak GPU memory of the engine process since it started, CUDA context included "
               "(rank 0's with tensor parallelism); absent off CUDA."),
@@ -192,6 +198,7 @@ class MetricsRecorder:
         self._m = metrics
         self._labels = labels
         self._counted: dict[str, int] = {}  # engine counters already added, by metric
+        self._plan_labels: dict[str, str] | None = None  # the layer plan's, once known
 
     def _with(self, **extra: str) -> dict[str, str]:
         return {**self._labels, **extra}
@@ -233,7 +240,16 @@ class MetricsRecorder:
         """A request that failed on the server's side (answered 5xx)."""
         self._m["kvsparse_request_errors_total"].inc(1, self._labels)
 
+    def layer_plan(self, plan: LayerPlan) -> None:
+        """The engine's layer plan, at start-up (and again with every engine state: Ray's
+        exporter may not yet run when a replica starts)."""
+        whole = ",".join(map(str, plan.full_layers)) or "none"
+        self._plan_labels = self._with(full_layers=whole, source=plan.source)
+        self._m["kvsparse_layer_plan_info"].set(1, self._plan_labels)
+
     def engine_state(self, stats: EngineStats) -> None:
+        if self._plan_labels is not None:
+            self._m["kvsparse_layer_plan_info"].set(1, self._plan_labels)
         self._m["vllm:num_requests_running"].set(stats.num_running, self._labels)
         self._m["vllm:num_requests_waiting"].set(stats.num_waiting, self._labels)
         for group, blocks in stats.kv_blocks.items():

@@ -38,11 +38,17 @@ PREFIX_CHUNK_CHARS = 256
 # Prefix chunks remembered (one dict entry each): 200,000 is 50 million tokens of prompts, far
 # more than the replicas' caches hold.
 PREFIX_OWNERS_MAX = 200_000
+# Requests that may wait on the replica owning a prompt's prefix, which still gets the prompt
+# when its KV cache has room: waiting behind one or two admissions costs less than prefilling
+# the cached part again elsewhere (a loaded replica that spaces its admissions has one waiting
+# most of the time).
+AFFINITY_MAX_QUEUED = 2
 
 
 def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, float, float]:
     """Sort key, best first. Replicas that can admit one more request now come first, the one
-    with the most projected free KV first; the others follow, least queued work first."""
+    with the most projected free KV first; the others follow, least queued work first, then the
+    most KV left after one more request (negated: below 0, it has room)."""
     if stats is None:  # not reported yet (just started): assume empty
         return (0, -1.0, float(ongoing or 0))
     reported = stats.num_running + stats.num_waiting
@@ -52,7 +58,7 @@ def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, floa
     queued = stats.num_waiting + max(-seats, 0)
     if queued == 0 and seats > 0 and free >= stats.kv_per_request_fraction:
         return (0, -free, float(reported + arrived))
-    return (1, float(queued), -free)
+    return (1, float(queued), stats.kv_per_request_fraction - free)
 
 
 def _stats(replica: RunningReplica) -> RoutingStats | None:
@@ -103,13 +109,20 @@ class PrefixOwners:
             self._owner.popitem(last=False)
 
 
+def keeps_its_prefixes(rank: tuple[int, float, float]) -> bool:
+    """Whether a replica of this `rank_key` gets the prompts whose prefix it holds: it can admit
+    one now, or at most AFFINITY_MAX_QUEUED wait there and its KV cache has room for one more."""
+    must_wait, queued, minus_room = rank
+    return must_wait == 0 or (queued <= AFFINITY_MAX_QUEUED and minus_room <= 0)
+
+
 def route(ranks: dict[Any, tuple], prefix: list[int], owners: PrefixOwners) -> list[Any]:
     """Replica ids best first, from their `rank_key`s: the KV ranking, except that the replica
-    owning the prompt's longest remembered prefix comes first when it can admit it now. The
+    owning the prompt's longest remembered prefix comes first when it keeps its prefixes. The
     prefix then belongs to the first."""
     ranked = sorted(ranks, key=ranks.__getitem__)
     owner = owners.longest(prefix, set(ranks))
-    if owner is not None and ranks[owner][0] == 0:
+    if owner is not None and keeps_its_prefixes(ranks[owner]):
         ranked.sort(key=lambda r: r != owner)
     owners.assign(prefix, ranked[0])
     return ranked

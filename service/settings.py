@@ -66,7 +66,8 @@ class PoolSpec:
     policy: str
     budget: int | None  # None: dense
     # Which layers keep every token, as configured: "auto" (the model's calibrated profile),
-    # "first 3" (no choice made: the article's shape), "per-layer budgets", or the layers given.
+    # unset (its profile where the engine finds one, else the first 3: the metric
+    # kvsparse_layer_plan_info says which), "per-layer budgets", or the layers given.
     full_layers: str = "all"
 
     @classmethod
@@ -90,7 +91,7 @@ def describe_full_layers(sparsity: SparsityConfig) -> str:
         return "per-layer budgets" + (" (calibrated)" if sparsity.layer_budgets == "auto" else "")
     spec = sparsity.full_layers
     if spec is None:
-        return "first 3 (no calibrated profile chosen)"
+        return "calibrated profile, else first 3"
     if spec == "auto":
         return "auto (calibrated profile)"
     return f"first {spec}" if isinstance(spec, int) else ",".join(map(str, spec))

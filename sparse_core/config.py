@@ -47,8 +47,9 @@ class SparsityConfig:
     window:       observation window: the last `window` prompt tokens score the rest and are kept
     sinks:        the first `sinks` tokens are always kept (attention sinks)
     full_layers:  layers kept whole: the first N (int), an explicit list of indices, or "auto"
-                  (the calibrated set stored for the model); None: the first 3, or none with
-                  layer_budgets (whose None entries are the whole layers)
+                  (the calibrated set stored for the model); None: the calibrated set where
+                  the model has one, else the first 3 (logged), or none with layer_budgets
+                  (whose None entries are the whole layers)
     pooling:      smoothing of scores over neighbouring tokens: avg | max | none
     kernel_size:  pooling width (odd)
     gqa_reduce:   how the query heads sharing a KV head combine their scores: mean | max
@@ -71,7 +72,8 @@ class SparsityConfig:
         None,
         "layers kept whole: the first N, a comma-separated list of indices, or auto (the "
         "model's calibrated set)",
-        shown="the first 3; none with layer budgets",
+        shown="the model's calibrated set where it has one, else the first 3; none with layer "
+        "budgets",
     )
     pooling: Pooling = option("avg", "smoothing of the scores over neighbouring tokens")
     kernel_size: int = option(7, "width of the pooling (odd)")

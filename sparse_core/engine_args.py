@@ -28,8 +28,6 @@ from sparse_core.config import EngineConfig, SparsityConfig
 # Extra names some flags have always had.
 FLAG_ALIASES = {"tensor_parallel_size": ("-tp",)}
 METAVARS = {"step_log": "PATH", "hf_overrides": "JSON"}
-# What the commands do with full_layers left unset (configs_from_args).
-CLI_FULL_LAYERS = "auto when the model has a calibrated profile, else 3"
 
 
 @dataclass(frozen=True)
@@ -227,7 +225,7 @@ def add_config_args(
     for setting in SETTINGS:
         if setting.dest in exclude or (only is not None and setting.dest not in only):
             continue
-        given = defaults.get(setting.dest, Default(setting.default, _cli_shown(setting)))
+        given = defaults.get(setting.dest, Default(setting.default, setting.shown))
         if not isinstance(given, Default):
             given = Default(given)
         default = given.value
@@ -247,10 +245,6 @@ def add_config_args(
         action.help = setting.help_text(given.value, given.shown)
 
 
-def _cli_shown(setting: Setting) -> str | None:
-    return CLI_FULL_LAYERS if setting.name == "full_layers" else setting.shown
-
-
 def config_values(args: argparse.Namespace, config: type) -> dict[str, Any]:
     """The fields of `config` (EngineConfig or SparsityConfig) that the parsed flags set: a
     flag that the command does not have, or a None for a field that takes no None, leaves the
@@ -264,21 +258,13 @@ def config_values(args: argparse.Namespace, config: type) -> dict[str, Any]:
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, SparsityConfig]:
-    """The configs of a command's flags (`add_config_args`). Unset --full-layers without
-    --layer-budgets is the model's calibrated set where it has one, else the first 3."""
+    """The configs of a command's flags (`add_config_args`)."""
     engine = EngineConfig(**config_values(args, EngineConfig))
-    sparsity = config_values(args, SparsityConfig)
-    if sparsity.get("full_layers") is None and sparsity.get("layer_budgets") is None:
-        sparsity["full_layers"] = parse_full_layers(None, engine.model)
-    return engine, SparsityConfig(**sparsity)
+    return engine, SparsityConfig(**config_values(args, SparsityConfig))
 
 
-def parse_full_layers(text: str | None, model: str) -> int | list[int] | str:
-    """--full-layers of a command: its text, or None for the commands' default."""
-    if text is None:
-        from sparse_core.policy import has_profile
-
-        return "auto" if has_profile(model) else 3
+def parse_full_layers(text: str) -> int | list[int] | str:
+    """The text of a --full-layers flag."""
     try:
         return BY_DEST["full_layers"].parse(text)
     except argparse.ArgumentTypeError as exc:

@@ -10,15 +10,22 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from sparse_core.config import SparsityConfig
 
+# Profiles shipped with kvsparse: PROFILE_DIR / <model>.json (the layers kept whole) and
+# PROFILE_DIR / layer_budgets / <model> / <target compression>x.json (per-layer budgets).
 PROFILE_DIR = Path(__file__).parent / "profiles"
-# Per-layer budget profiles: LAYER_BUDGET_DIR / <model> / <target compression>x.json.
 LAYER_BUDGET_DIR = PROFILE_DIR / "layer_budgets"
-DEFAULT_FULL_LAYERS = 3  # full_layers=None without layer_budgets: the first three layers whole
+# A directory of profiles calibrated where the model is served (the Helm chart's calibration
+# step writes them into the model cache), laid out as PROFILE_DIR and searched before it.
+PROFILE_DIR_ENV = "KVSPARSE_PROFILE_DIR"
+# full_layers=None without layer_budgets and no calibrated profile: the first three layers whole
+# (the article's shape).
+DEFAULT_FULL_LAYERS = 3
 
 logger = logging.getLogger(__name__)
 
@@ -40,21 +47,38 @@ class LayerGroup:
 class LayerPlan:
     groups: tuple[LayerGroup, ...]
     layer_to_group: tuple[int, ...]
+    # Where the layers kept whole came from: "calibrated" (a calibrated profile), "default"
+    # (no profile for the model: the first 3), "configured" (given) or "none" (dense).
+    source: str = "configured"
 
     @property
     def full_layers(self) -> list[int]:
         return [i for i, g in enumerate(self.layer_to_group) if self.groups[g].budget is None]
 
 
-def has_profile(model_name: str) -> bool:
-    return (PROFILE_DIR / f"{model_name}.json").exists()
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up, first match wins: $KVSPARSE_PROFILE_DIR, then the shipped
+    ones."""
+    local = os.environ.get(PROFILE_DIR_ENV)
+    return [Path(local), PROFILE_DIR] if local else [PROFILE_DIR]
+
+
+def profile_path(model_name: str) -> Path | None:
+    """The calibrated full-layer profile of a model, if one exists."""
+    found = (d / f"{model_name}.json" for d in profile_dirs())
+    return next((p for p in found if p.exists()), None)
+
+
+def new_profile_path(model_name: str) -> Path:
+    """Where `kvsparse calibrate` writes a model's profile: $KVSPARSE_PROFILE_DIR when set."""
+    return profile_dirs()[0] / f"{model_name}.json"
 
 
 def load_profile(model_name: str) -> dict:
-    """The calibrated layer profile shipped for a model (written by `kvsparse calibrate`)."""
-    path = PROFILE_DIR / f"{model_name}.json"
-    if not path.exists():
-        known = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+    """The calibrated layer profile of a model (written by `kvsparse calibrate`)."""
+    path = profile_path(model_name)
+    if path is None:
+        known = sorted(p.stem for d in profile_dirs() for p in d.glob("*.json"))
         raise ValueError(
             f"full_layers='auto' needs a calibrated profile for model {model_name!r}, and there is "
             f"none (profiles exist for: {known or 'no model'}); run `kvsparse calibrate` or give "
@@ -100,17 +124,31 @@ def ratios_compression(ratios: tuple[float | None, ...] | list[float | None]) ->
     return len(ratios) / sum(1.0 if r is None else 1.0 / r for r in ratios)
 
 
+def budget_profile_dirs(model_name: str) -> list[Path]:
+    """Where a model's per-layer budget profiles are looked up (profile_dirs)."""
+    return [d / "layer_budgets" / model_name for d in profile_dirs()]
+
+
 def budget_profiles(model_name: str) -> list[BudgetProfile]:
-    """Every per-layer budget profile shipped for a model, by target compression."""
-    paths = sorted((LAYER_BUDGET_DIR / model_name).glob("*.json"))
-    return sorted((BudgetProfile.load(p) for p in paths), key=lambda p: p.target_compression)
+    """A model's per-layer budget profiles, by target compression, from the first directory
+    that has any."""
+    for directory in budget_profile_dirs(model_name):
+        paths = sorted(directory.glob("*.json"))
+        if paths:
+            return sorted(
+                (BudgetProfile.load(p) for p in paths), key=lambda p: p.target_compression
+            )
+    return []
 
 
 def nearest_budget_profile(model_name: str, target_compression: float) -> BudgetProfile:
     profiles = budget_profiles(model_name)
     if not profiles:
-        known = (
-            sorted(p.name for p in LAYER_BUDGET_DIR.iterdir()) if LAYER_BUDGET_DIR.is_dir() else []
+        known = sorted(
+            p.name
+            for d in profile_dirs()
+            if (d / "layer_budgets").is_dir()
+            for p in (d / "layer_budgets").iterdir()
         )
         raise ValueError(
             f"layer_budgets='auto' needs per-layer budget profiles for model {model_name!r}, and "
@@ -160,16 +198,26 @@ def layer_budgets(
 
 
 def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> list[int]:
-    spec = DEFAULT_FULL_LAYERS if sparsity.full_layers is None else sparsity.full_layers
-    if sparsity.full_layers is None:
-        logger.info(
-            "%s: the first %d layers kept whole (no full_layers given); %s",
-            model_name,
-            DEFAULT_FULL_LAYERS,
-            "full_layers='auto' takes its calibrated profile"
-            if has_profile(model_name)
-            else "`kvsparse calibrate` finds the layers this model needs whole",
-        )
+    """The layers kept whole. Unset: the model's calibrated profile where one exists, else the
+    first DEFAULT_FULL_LAYERS (logged, since calibrating finds better ones)."""
+    spec = sparsity.full_layers
+    if spec is None:
+        path = profile_path(model_name)
+        if path is None:
+            logger.warning(
+                "%s has no calibrated layer profile: the first %d layers kept whole (the "
+                "article's shape); `kvsparse calibrate --model %s` finds the layers it needs "
+                "whole (docs/accuracy.md)",
+                model_name,
+                DEFAULT_FULL_LAYERS,
+                model_name,
+            )
+            spec = DEFAULT_FULL_LAYERS
+        else:
+            logger.info(
+                "%s: the layers kept whole from its calibrated profile %s", model_name, path
+            )
+            spec = "auto"
     if spec == "auto":
         spec = load_profile(model_name)["full_layers"]
     if isinstance(spec, int):
@@ -192,7 +240,9 @@ def plan_layers(
     """Layer groups of a model under a sparsity config; `prompt_len`: the typical prompt
     (EngineConfig.expected_input_len), which layer_budgets="auto" sizes its budgets for."""
     if not sparsity.compresses:
-        return LayerPlan((LayerGroup("full", tuple(range(num_layers)), None),), (0,) * num_layers)
+        return LayerPlan(
+            (LayerGroup("full", tuple(range(num_layers)), None),), (0,) * num_layers, "none"
+        )
     budgets = layer_budgets(sparsity, num_layers, model_name, prompt_len)
     # One group per distinct budget, full layers first, then budgets from large to small.
     distinct = sorted({b for b in budgets if b is not None}, reverse=True)
@@ -206,7 +256,15 @@ def plan_layers(
         for b in keys
     )
     layer_to_group = tuple(keys.index(b) for b in budgets)
-    return LayerPlan(groups, layer_to_group)
+    return LayerPlan(groups, layer_to_group, _plan_source(sparsity, model_name))
+
+
+def _plan_source(sparsity: SparsityConfig, model_name: str) -> str:
+    """LayerPlan.source of a compressing config."""
+    given = sparsity.layer_budgets if sparsity.layer_budgets is not None else sparsity.full_layers
+    if given == "auto" or (given is None and profile_path(model_name) is not None):
+        return "calibrated"
+    return "default" if given is None else "configured"
 
 
 def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:

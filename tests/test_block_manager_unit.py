@@ -152,11 +152,13 @@ def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_use
     b = prefilled(bm, Sequence("b", ids(500, 64), SamplingParams(), 2))
     bm.free(b)
     assert [pool.num_free for pool in bm.pools] == BLOCKS  # cached blocks count as free
+    idle_admissions(bm, 9)  # b is found again 10 admissions later: nothing expires below 20
     # b's 4 full blocks found again: proven. Its fifth (tokens 64-79) is new, unproven.
     bm.free(prefilled(bm, Sequence("b2", ids(500, 80), SamplingParams(), 2)))
     a = prefilled(bm, Sequence("a", ids(1, 64), SamplingParams(), 2))
     bm.free(a)  # newer than b's, never found again
-    assert [pool.num_cached for pool in bm.pools] == [9, 9] and bm.pools[1].num_never_cached == 3
+    assert [pool.num_cached for pool in bm.pools] == [9, 9]
+    assert bm.pools[1].num_free_for_new_prefix == 3
     # Two misses of 100 tokens: caching would need 10 sparse blocks where 3 hold no prefix, so
     # both run without the cache, keeping 3 blocks each: the second evicts 3 cached blocks,
     # b2's fifth and a's last two (a prefix's tail leaves before its head).
@@ -172,27 +174,51 @@ def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_use
     bm.check_invariants([c, d])
 
 
+def idle_admissions(bm: BlockManager, count: int) -> None:
+    """Admissions of prompts shorter than a block (nothing cached, nothing found)."""
+    for i in range(count):
+        bm.free(prefilled(bm, Sequence(f"x{i}", ids(90_000 + 10 * i, 8), SamplingParams(), 2)))
+
+
+def conversation_turns(bm: BlockManager, bases: list[list[int]], turns: int) -> list[list[int]]:
+    """Conversations taking turns, each turn its base and 16 more tokens per turn; the tokens
+    every turn found cached, by turn and conversation."""
+    hits: list[list[int]] = []
+    for turn in range(turns):
+        hits.append([])
+        for c, base in enumerate(bases):
+            seq = Sequence(f"c{c}t{turn}", base + ids(50_000 + turn, 16 * turn),
+                           SamplingParams(), 2)  # fmt: skip
+            prefilled(bm, seq)
+            hits[-1].append(seq.num_cached_tokens)
+            bm.free(seq)
+            bm.check_invariants([])
+    return hits
+
+
 def test_conversations_beyond_the_caches_room_keep_the_first_ones_hitting():
     """Six conversations take turns, each turn its previous prompt and 16 more tokens, with
     room in the sparse group (12 blocks) to cache about two of them. Least-recently-used
     eviction alone would have every turn evict the prefix asked for next (no hit ever); here
     the two conversations cached first hit at every later turn, the others run uncached."""
     bm = manager(caching=True)
-    bases = [ids(1000 * (c + 1), 64) for c in range(6)]
-    hits: list[list[int]] = []
-    for turn in range(4):
-        hits.append([])
-        for c, base in enumerate(bases):
-            seq = Sequence(
-                f"c{c}t{turn}", base + ids(50_000 + turn, 16 * turn), SamplingParams(), 2
-            )
-            prefilled(bm, seq)
-            hits[-1].append(seq.num_cached_tokens)
-            bm.free(seq)
-            bm.check_invariants([])
+    hits = conversation_turns(bm, [ids(1000 * (c + 1), 64) for c in range(6)], 4)
     assert hits[0] == [0] * 6
     for turn in (1, 2, 3):
         assert min(hits[turn][:2]) >= 32 and hits[turn][2:] == [0] * 4, hits
+
+
+def test_a_prefix_no_longer_asked_for_expires_and_new_conversations_take_its_room():
+    """Two conversations fill the cache and end; two new ones start. While the old prefixes
+    are younger than twice their reuse interval the new ones run uncached; then the old ones
+    expire, and a new one (the room holds one at these lengths) is cached and hits at every
+    later turn (without expiry, none ever would)."""
+    bm = manager(caching=True)
+    first = conversation_turns(bm, [ids(1000, 64), ids(2000, 64)], 4)
+    assert all(min(turn) >= 32 for turn in first[1:])
+    later = conversation_turns(bm, [ids(3000, 64), ids(4000, 64)], 6)
+    assert later[0] == [0, 0]
+    assert all(max(turn) >= 64 for turn in later[-3:]), later
 
 
 def test_a_prefill_without_room_to_cache_runs_as_without_the_cache():

@@ -12,6 +12,7 @@ from sparse_core.cli import build_parser
 from sparse_core.engine_args import configs_from_args
 from sparse_core.policy import (
     budget_profiles,
+    load_profile,
     nearest_budget_profile,
     plan_layers,
     ratios_compression,
@@ -116,7 +117,9 @@ def test_command_line_flags():
     assert (auto.layer_budgets, auto.target_compression, auto.full_layers) == ("auto", 4.0, None)
     listed = _sparsity("--layer-budgets", "none,64,None,48", "--model", "dummy:tiny")
     assert listed.layer_budgets == [None, 64, None, 48]
-    assert _sparsity().full_layers == "auto"  # unchanged without layer budgets
+    assert _sparsity().full_layers is None  # unset without layer budgets: the engine resolves it
+    plan = plan_layers(_sparsity("--policy", "snapkv"), 30, SMOLLM2)  # SmolLM2's profile
+    assert plan.source == "calibrated" and plan.full_layers == load_profile(SMOLLM2)["full_layers"]
     with pytest.raises(ValueError, match="leave full_layers unset"):
         _sparsity("--layer-budgets", "auto", "--target-compression", "4", "--full-layers", "2")
 

@@ -109,12 +109,12 @@ class BlockManager:
     def _fits(self, admission: _Admission) -> bool:
         """Room in every group for the new blocks, beside the cached ones it takes out of the
         cache (they no longer count as free). A prefill that would cache without having found
-        anything caches only into blocks that hold no cached prefix (`BlockPool`): a new
-        prefix does not displace the cached ones."""
+        anything caches only into blocks that hold no live cached prefix (`BlockPool`): a new
+        prefix does not displace the cached ones still asked for."""
         new_prefix = admission.caches and not admission.cached[0]
         return all(
             new + sum(pool.refs(b) == 0 for b in cached)
-            <= (pool.num_never_cached if new_prefix else pool.num_free)
+            <= (pool.num_free_for_new_prefix if new_prefix else pool.num_free)
             for new, cached, pool in zip(
                 admission.new_blocks, admission.cached, self.pools, strict=True
             )
@@ -130,6 +130,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, chunked: bool = False) -> None:
         """Admit `seq`: its blocks in every group, and its prefill set to start after the
         tokens found in the cache (`seq.num_computed_tokens`)."""
+        for pool in self.pools:
+            pool.tick()
         admission = self._admission(seq, chunked)
         seq.caches_prefill = admission.caches
         n = seq.prefill_len = seq.num_prefill_tokens

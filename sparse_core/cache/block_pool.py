@@ -8,21 +8,25 @@ and sequences that share a prefix share its blocks.
 
 Eviction resists a scan: a cached block that a prefill has found again (*proven*) leaves only
 after every cached block that none has, each kind least recently used first; and a prefill that
-found nothing caches its blocks only where nothing is cached (`num_never_cached`; BlockManager
-decides). Without that, more live prefixes than the cache holds (64 chats cycling through room
-for 28) evict each other before they are asked for again and nothing ever hits; with it, the
-prefixes cached first stay and hit at every turn, and the others run as without the cache. The
-cost: once every block holds a cached prefix, a new one is cached only after running sequences
-have taken and released blocks (they evict unproven prefixes first), a few requests later.
+found nothing caches its blocks only where nothing live is cached (`num_free_for_new_prefix`;
+BlockManager decides): free blocks, and cached ones *expired*, idle for more than twice the
+ticks (admissions, BlockManager's `tick`) a found block had been idle on average. Without that,
+more live prefixes than the cache holds (64 chats cycling through room for 28) evict each other
+before they are asked for again and nothing ever hits; with it, the prefixes cached first stay
+and hit at every turn while they are asked for, the others run as without the cache, and a
+prefix no longer asked for (a finished conversation) makes room for new ones once it expires.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict, deque
 
 BlockHash = bytes
+# Weight of each found block's idle ticks in their running average.
+REUSE_EMA = 0.25
 
 
 def prefix_hashes(token_ids: list[int], block_size: int, known: list[BlockHash]) -> None:
@@ -46,6 +50,11 @@ class BlockPool:
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
         self._found: set[int] = set()  # hashed blocks a prefill has found (used or cached)
+        # Expiry: the clock (admissions), when each cached block was last released, and the
+        # average idle ticks of the cached blocks prefills found (None before the first).
+        self._clock = 0
+        self._idle_since: dict[int, int] = {}
+        self._reuse_ticks: float | None = None
 
     @property
     def num_free(self) -> int:
@@ -53,9 +62,22 @@ class BlockPool:
         return len(self._free) + len(self._unproven) + len(self._proven)
 
     @property
-    def num_never_cached(self) -> int:
-        """Free blocks that hold no cached prefix: what an allocation takes without evicting."""
-        return len(self._free)
+    def num_free_for_new_prefix(self) -> int:
+        """What a prefill that found nothing may cache into: free blocks, and cached ones
+        expired (`allocate` takes those first)."""
+        return len(self._free) + sum(map(self._num_expired, (self._unproven, self._proven)))
+
+    def tick(self) -> None:
+        """One admission: the clock cached blocks age by."""
+        self._clock += 1
+
+    def _expired(self, block: int) -> bool:
+        ttl = self._reuse_ticks
+        return ttl is not None and self._clock - self._idle_since[block] > 2 * ttl
+
+    def _num_expired(self, cached: OrderedDict[int, None]) -> int:
+        """Expired blocks of one cached list (oldest first, so they lead it)."""
+        return sum(1 for _ in itertools.takewhile(self._expired, cached))
 
     @property
     def num_used(self) -> int:
@@ -76,13 +98,21 @@ class BlockPool:
         for _ in range(count):
             if self._free:
                 block = self._free.popleft()
-            else:  # a cached block leaves the cache: unproven ones first, each LRU first
-                block, _ = (self._unproven or self._proven).popitem(last=False)
+            else:  # a cached block leaves the cache: expired, then unproven, then proven
+                block, _ = self._victim().popitem(last=False)
                 del self._block_of[self._hash_of.pop(block)]
+                del self._idle_since[block]
                 self._found.discard(block)
             self._refs[block] = 1
             blocks.append(block)
         return blocks
+
+    def _victim(self) -> OrderedDict[int, None]:
+        """The cached list whose least recently used block leaves next."""
+        heads = [c for c in (self._unproven, self._proven) if c and self._expired(next(iter(c)))]
+        if heads:
+            return min(heads, key=lambda c: self._idle_since[next(iter(c))])
+        return self._unproven or self._proven
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block no sequence holds goes back to the cache
@@ -97,6 +127,7 @@ class BlockPool:
             del self._refs[block]
             if block in self._hash_of:
                 (self._proven if block in self._found else self._unproven)[block] = None
+                self._idle_since[block] = self._clock
             else:
                 self._free.append(block)
 
@@ -123,6 +154,9 @@ class BlockPool:
             else:
                 (self._unproven if block in self._unproven else self._proven).pop(block)
                 self._refs[block] = 1
+                idle = self._clock - self._idle_since.pop(block)
+                ttl = self._reuse_ticks
+                self._reuse_ticks = idle if ttl is None else ttl + REUSE_EMA * (idle - ttl)
 
     def register(self, blocks: list[int], hashes: list[BlockHash]) -> None:
         """Make used blocks findable by their prefix hashes (a hash some block has already
@@ -139,6 +173,8 @@ class BlockPool:
         for cached in (self._unproven, self._proven):
             self._free.extend(cached)
             cached.clear()
+        self._idle_since.clear()
+        self._reuse_ticks = None
         self._hash_of.clear()
         self._block_of.clear()
         self._found.clear()
@@ -157,5 +193,6 @@ class BlockPool:
         assert len(free) + len(used) + len(cached) == self.num_blocks, "blocks leaked"
         assert all(refs > 0 for refs in self._refs.values())
         assert cached <= set(self._hash_of), "a cached block without a hash"
+        assert set(self._idle_since) == cached, "idle times and cached blocks disagree"
         assert not free & set(self._hash_of), "a free block with a hash"
         assert {self._block_of[h]: h for h in self._hash_of.values()} == self._hash_of

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from datetime import date
@@ -24,7 +25,13 @@ from sparse_core.eval.runner import (
     run_suite,
 )
 from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
-from sparse_core.policy import LAYER_BUDGET_DIR, PROFILE_DIR, load_profile, ratios_compression
+from sparse_core.policy import (
+    budget_profile_dirs,
+    load_profile,
+    new_profile_path,
+    profile_path,
+    ratios_compression,
+)
 
 QUANTIZATION_SETTINGS = ("quantization", "kv_cache_dtype")
 
@@ -113,9 +120,23 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
     ca.add_argument("--ratio", type=float, default=8.0, help="compression of the probed layers")
     ca.add_argument("--band-size", type=int, default=3)
     ca.add_argument("--num-full", type=int, default=10, help="layers the profile keeps whole")
-    ca.add_argument("--compare-ratios", default="2", help="effective compressions to compare at")
+    ca.add_argument(
+        "--compare-ratios",
+        default="2",
+        help="effective compressions to compare profiles at after calibrating (empty: none)",
+    )
     ca.add_argument("--compare-seed", type=int, default=0, help="samples of the comparison")
-    ca.add_argument("--profile", default=None, help="profile path (default: the shipped one)")
+    ca.add_argument(
+        "--profile",
+        default=None,
+        help="profile path (default: <model>.json in $KVSPARSE_PROFILE_DIR where set, else "
+        "with the shipped ones)",
+    )
+    ca.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="do nothing if the model has a calibrated profile already (an install step)",
+    )
     ca.add_argument(
         "--target-compression",
         default=None,
@@ -138,7 +159,8 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
     ca.add_argument(
         "--profile-dir",
         default=None,
-        help="with --target-compression: where the profiles go (default: the shipped ones)",
+        help="with --target-compression: where the profiles go (default: layer_budgets/<model> "
+        "in $KVSPARSE_PROFILE_DIR where set, else with the shipped ones)",
     )
     ca.set_defaults(func=cmd_calibrate)
 
@@ -203,7 +225,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         ]
         title = f"{args.model}: calibrated per-layer budgets"
     else:
-        full = parse_full_layers(args.full_layers, args.model)
+        full = parse_full_layers(args.full_layers)
         configs = [
             EvalConfig("dense")
             if policy == "dense"
@@ -222,7 +244,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return cmd_calibrate_budgets(args)
     samples, source = _samples(args)
     num_layers, name = source.config.num_hidden_layers, source.config.name
+    if args.skip_existing and profile_path(name) is not None:
+        _note(f"{name} has a calibrated profile already: {profile_path(name)}")
+        return 0
     settings = _settings(args)
+    _note(
+        f"calibrate {name}: {num_layers} layers in bands of {args.band_size}, "
+        f"{len(samples)} prompts, seed {args.seed}"
+    )
     sens, probe_results = cal.measure(
         samples, settings, num_layers, args.band_size, args.ratio, source
     )
@@ -246,15 +275,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "date": date.today().isoformat(),
         "command": "kvsparse " + shlex.join(sys.argv[1:]),
     }
-    path = Path(args.profile) if args.profile else PROFILE_DIR / f"{name}.json"
-    path.write_text(json.dumps(profile, indent=2) + "\n")
+    path = Path(args.profile) if args.profile else new_profile_path(name)
+    _write_atomically(path, json.dumps(profile, indent=2) + "\n")
     print(f"profile written to {path}", file=sys.stderr)
-    args.seed = args.compare_seed
-    compare_samples, _ = _samples(args)
-    configs = cal.comparison_configs(full, _floats(args.compare_ratios))
-    compare = run_suite(configs, compare_samples, settings, source=source)
     print(markdown_table(summarize(probe_results)))
-    _write(args, compare, f"{name}: layer profiles at equal compression", plot_it=False)
     if args.plot:
         cal.plot_sensitivity(
             sens, args.plot, f"{name}: layer-band sensitivity (snapkv {args.ratio:g}x)"
@@ -263,7 +287,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         Path(args.json).with_suffix(".probe.json").write_text(
             json.dumps(as_dicts(probe_results)) + "\n"
         )
+    if args.compare_ratios:
+        args.seed = args.compare_seed
+        compare_samples, _ = _samples(args)
+        configs = cal.comparison_configs(full, _floats(args.compare_ratios))
+        compare = run_suite(configs, compare_samples, settings, source=source)
+        _write(args, compare, f"{name}: layer profiles at equal compression", plot_it=False)
     return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write a whole file or none: engines starting beside the writer never read half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
@@ -294,7 +332,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             f"layers {cal.span(d.layers)}: damage "
             + "  ".join(f"{r}x {v:.1f}" for r, v in d.damage.items())
         )
-    out_dir = Path(args.profile_dir) if args.profile_dir else LAYER_BUDGET_DIR / name
+    out_dir = Path(args.profile_dir) if args.profile_dir else budget_profile_dirs(name)[0]
     out_dir.mkdir(parents=True, exist_ok=True)
     allocations = {target: lb.allocate(damages, num_layers, target) for target in targets}
     first_pass = {target: ratios for target, (ratios, _) in allocations.items()}
@@ -322,7 +360,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
             "command": "kvsparse " + shlex.join(sys.argv[1:]),
         }
         path = out_dir / f"{target:g}x.json"
-        path.write_text(json.dumps(profile, indent=2) + "\n")
+        _write_atomically(path, json.dumps(profile, indent=2) + "\n")
         _note(f"{target:g}x: layer ratios {list(ratios)} -> {path}")
     args.seed = args.compare_seed
     compare_samples, _ = _samples(args)

@@ -131,9 +131,14 @@ class TaskBuilder:
         """The longest prompt of at most `length` tokens with the needles at the given depths,
         and its context length."""
         overhead = len(self._prompt(instruction, " ".join(needles), question, prefix)[0])
+        if overhead > length:
+            raise ValueError(
+                f"a {length}-token prompt cannot hold this task's instruction, needles and "
+                f"question ({overhead} tokens with this tokenizer); ask for longer prompts"
+            )
         budget = length - overhead
         while True:
-            units = self._filler(piece, budget, rng)
+            units = self._filler(piece, max(budget, 0), rng)
             # Insert from the deepest so earlier positions stay valid.
             for needle, depth in sorted(zip(needles, depths, strict=True), key=lambda x: -x[1]):
                 units.insert(round(depth * len(units)), needle)

@@ -300,7 +300,8 @@ def test_model_download_feeds_the_engine(helm: str) -> None:
     (rs,) = by_kind(render(helm, {}), "RayService")
     args = serve_app(rs)["args"]
     (worker,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
-    (init,) = worker["template"]["spec"]["initContainers"]
+    init, _ = worker["template"]["spec"]["initContainers"]
+    assert init["name"] == "download-model"
     env = {e["name"]: e.get("value") for e in init["env"]}
     assert env["MODEL_REPO"] == args["served_model_name"] == "meta-llama/Meta-Llama-3-8B-Instruct"
     assert env["MODEL_PATH"] == args["model"]
@@ -310,7 +311,7 @@ def test_model_download_feeds_the_engine(helm: str) -> None:
 
     (rs,) = by_kind(render(helm, VALUE_SETS["secrets-pvc-pools"]), "RayService")
     spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
-    assert "initContainers" not in spec
+    assert [c["name"] for c in spec["initContainers"]] == ["calibrate-layers"]
     claims = [
         v["persistentVolumeClaim"]["claimName"]
         for v in spec["volumes"]
@@ -322,6 +323,42 @@ def test_model_download_feeds_the_engine(helm: str) -> None:
 def test_download_needs_the_cache(helm: str) -> None:
     with pytest.raises(AssertionError, match=r"model\.cache\.enabled"):
         render(helm, {"model": {"cache": {"enabled": False}}})
+    with pytest.raises(AssertionError, match=r"calibration\.enabled=false"):
+        render(helm, {"model": {"cache": {"enabled": False}, "hfRepo": ""}})
+
+
+def test_calibration_step_writes_where_the_engines_read(helm: str) -> None:
+    """The init container runs `kvsparse calibrate` (arguments our own parser takes) on the
+    model the engines load, in their number formats, into the profile directory every Ray
+    container is given; the engines leave full_layers to it."""
+    from sparse_core.cli import build_parser
+
+    (rs,) = by_kind(render(helm, {"calibration": {"extraArgs": ["--samples=3"]}}), "RayService")
+    args = serve_app(rs)["args"]
+    assert args["sparsity"]["full_layers"] is None
+    (worker,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    spec = worker["template"]["spec"]
+    _, calibrate = spec["initContainers"]
+    assert calibrate["command"] == ["kvsparse", "calibrate"]
+    parsed = build_parser().parse_args(calibrate["command"][1:] + calibrate["args"])
+    assert parsed.model == args["model"] and parsed.skip_existing and parsed.samples == 3
+    assert (parsed.quantization, parsed.kv_cache_dtype) == ("fp8", "fp8")
+    assert parsed.compare_ratios == ""
+    assert calibrate["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+    def profile_dir(container: dict) -> str | None:
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        return env.get("KVSPARSE_PROFILE_DIR")
+
+    (engine,) = spec["containers"]
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert profile_dir(calibrate) == profile_dir(engine) == profile_dir(head)
+    assert profile_dir(engine) == "/models/kvsparse-profiles"
+
+    (rs,) = by_kind(render(helm, {"calibration": {"enabled": False}}), "RayService")
+    spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == ["download-model"]
+    assert profile_dir(spec["containers"][0]) is None
 
 
 def test_replicas_drain_within_the_pods_grace_period(helm: str) -> None:

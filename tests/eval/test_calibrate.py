@@ -76,3 +76,38 @@ def test_shipped_profile_loads_for_auto():
         SparsityConfig(policy="snapkv", budget=128, full_layers="auto"), 30, "smollm2-135m-instruct"
     )
     assert 0 < len(plan.full_layers) < 30
+
+
+def test_a_profile_calibrated_where_the_model_is_served_is_the_engines_default(
+    tmp_path, monkeypatch
+):
+    """What the Helm chart's calibration step does: `kvsparse calibrate --skip-existing` into
+    $KVSPARSE_PROFILE_DIR, then engines with full_layers unset keep its layers whole (before it
+    exists: the first 3). Real calibration runs on a random-weight model, so the bands tie."""
+    from sparse_core.cli import build_parser
+    from sparse_core.config import SparsityConfig
+    from sparse_core.policy import PROFILE_DIR_ENV, plan_layers
+
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path))
+    sparsity = SparsityConfig(policy="snapkv", budget=64, window=8, sinks=4)
+    before = plan_layers(sparsity, 4, "dummy:tiny")
+    assert (before.full_layers, before.source) == ([0, 1, 2], "default")
+
+    argv = ["calibrate", "--model", "dummy:tiny", "--tasks", "passkey", "--lengths", "300",
+            "--samples", "1", "--band-size", "2", "--num-full", "2", "--window", "8",
+            "--compare-ratios", "", "--skip-existing"]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    profile = tmp_path / "dummy:tiny.json"
+    written = json.loads(profile.read_text())
+    assert len(written["full_layers"]) == 2 and written["model"] == "dummy:tiny"
+
+    after = plan_layers(sparsity, 4, "dummy:tiny")
+    assert (after.full_layers, after.source) == (written["full_layers"], "calibrated")
+    assert after.full_layers != before.full_layers
+
+    # A second install step finds it and leaves it as it is.
+    mtime = profile.stat().st_mtime_ns
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    assert profile.stat().st_mtime_ns == mtime

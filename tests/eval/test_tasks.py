@@ -59,3 +59,8 @@ def test_context_len_ends_the_context_before_the_question(builder, task):
     assert all(a in context for a in s.answers)
     assert rest.lstrip().startswith(("What", "Question")), rest
     assert len(s.prompt_ids) - s.context_len < 100  # the question and the answer's start only
+
+
+def test_a_length_shorter_than_the_task_text_is_refused(builder):
+    with pytest.raises(ValueError, match="cannot hold this task's instruction"):
+        builder.build("passkey", 20, 1)

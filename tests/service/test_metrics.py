@@ -48,6 +48,10 @@ def test_metrics_are_present_and_move_with_traffic(real_server):
 
     for name in EXPECTED:
         assert metric_values(after, name, pool="snapkv-64"), name
+    # The layer plan the engine resolved: the two layers the server was told to keep whole.
+    plan = metric_values(after, "kvsparse_layer_plan_info", pool="snapkv-64")
+    assert plan == [1.0]
+    assert metric_values(after, "kvsparse_layer_plan_info", full_layers="0,1", source="configured")
     # Counters and histograms moved by exactly this request.
     pool = {"pool": "snapkv-64", "model_name": MODEL}
 

@@ -103,6 +103,20 @@ def test_a_prompt_goes_where_its_prefix_is_when_that_replica_can_admit_it():
     assert route({"r0": roomy, "r1": busy}, [8], owners)[0] == "r0"
 
 
+def test_the_owner_keeps_its_prompts_behind_a_short_queue_while_its_kv_has_room():
+    """A loaded replica spacing its admissions has a request or two waiting most of the time;
+    its chats' next turns still go to it (their prefixes are there), but not behind a longer
+    queue, nor once its KV cache has no room for one more."""
+    owners = PrefixOwners()
+    idle = rank_key(stats(0.9), 0)
+    route({"r0": rank_key(stats(0.5), 0), "r1": idle}, [1, 2], owners)  # r0 has more room
+    assert owners.longest([1, 2], {"r0", "r1"}) == "r1"
+    for waiting, free, goes_to in [(1, 0.4, "r1"), (2, 0.4, "r1"), (3, 0.4, "r0"), (1, 0.02, "r0")]:
+        loaded = rank_key(stats(free, running=20, waiting=waiting), 20 + waiting)
+        assert route({"r0": idle, "r1": loaded}, [1, 2, 3], owners)[0] == goes_to, (waiting, free)
+        owners.assign([1, 2, 3], "r1")
+
+
 def test_a_full_owner_loses_the_prompt_and_the_prefix_moves_with_it():
     owners = PrefixOwners()
     full = rank_key(stats(0.01, 0.1, running=9), 9)

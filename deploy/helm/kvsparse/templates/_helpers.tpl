@@ -81,6 +81,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvsparse.env" -}}
 - name: HF_HOME
   value: {{ .Values.model.cache.mountPath | quote }}
+{{- if .Values.calibration.enabled }}
+- name: KVSPARSE_PROFILE_DIR
+  value: {{ include "kvsparse.profileDir" . | quote }}
+{{- end }}
 {{- if .Values.model.hfTokenSecret.name }}
 - name: HF_TOKEN
   valueFrom:
@@ -108,7 +112,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The model download into the cache volume, before Ray starts (GPU pods). */}}
+{{/* Where the calibration step writes, and the engines read, the served model's profile. */}}
+{{- define "kvsparse.profileDir" -}}
+{{- printf "%s/kvsparse-profiles" (trimSuffix "/" .Values.model.cache.mountPath) }}
+{{- end }}
+
+{{/*
+Before Ray starts on a GPU pod: the model download into the cache volume, then the layer
+calibration of the model (once per cache: it skips a model that has a profile there).
+*/}}
 {{- define "kvsparse.initContainers" -}}
 {{- if .Values.model.hfRepo }}
 {{- if not .Values.model.cache.enabled }}
@@ -135,6 +147,37 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
     - name: MODEL_PATTERNS
       value: {{ toJson .Values.model.downloadPatterns | quote }}
     {{- include "kvsparse.env" . | nindent 4 }}
+  volumeMounts:
+    {{- include "kvsparse.volumeMounts" . | nindent 4 }}
+{{- end }}
+{{- if .Values.calibration.enabled }}
+{{- if not .Values.model.cache.enabled }}
+{{- fail "calibration writes the model's profile into the model cache: set model.cache.enabled=true (or calibration.enabled=false)" }}
+{{- end }}
+- name: calibrate-layers
+  image: {{ include "kvsparse.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["kvsparse", "calibrate"]
+  args:
+    - --model={{ .Values.model.path }}
+    - --skip-existing
+    - --compare-ratios=
+    - --device={{ .Values.engine.device | default "cuda" }}
+    - --dtype={{ .Values.engine.dtype | default "bfloat16" }}
+    {{- with .Values.engine.quantization }}
+    - --quantization={{ . }}
+    {{- end }}
+    {{- with .Values.engine.kv_cache_dtype }}
+    - --kv-cache-dtype={{ . }}
+    {{- end }}
+    {{- range .Values.calibration.extraArgs }}
+    - {{ . | quote }}
+    {{- end }}
+  env:
+    {{- include "kvsparse.env" . | nindent 4 }}
+  resources:
+    limits:
+      nvidia.com/gpu: {{ .Values.tensorParallelSize | quote }}
   volumeMounts:
     {{- include "kvsparse.volumeMounts" . | nindent 4 }}
 {{- end }}
@@ -223,6 +266,7 @@ to stop sending to it.
   "kvsparse_compression_ratio_bucket",
   "kvsparse_compression_ratio_sum",
   "kvsparse_compression_ratio_count",
+  "kvsparse_layer_plan_info",
   "kvsparse_gpu_memory_peak_bytes"
 ]
 {{- end }}
