@@ -13,11 +13,13 @@ from sparse_core.config import EngineConfig
 from sparse_core.models.loader import load_model_source
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# The first 3 layers whole (full_layers unset would take SmolLM2's calibrated 10, whose larger
+# whole group leaves the sparse pools too small for a 500-token chunked prompt in 0.05 GB).
 SPARSITIES = {
     "dense": SparsityConfig(policy="dense"),
-    "snapkv": SparsityConfig(policy="snapkv", budget=64, window=8),
-    "pyramid": SparsityConfig(policy="pyramid", budget=64, window=8),
-    "streamingllm": SparsityConfig(policy="streamingllm", budget=64, window=8),
+    "snapkv": SparsityConfig(policy="snapkv", budget=64, window=8, full_layers=3),
+    "pyramid": SparsityConfig(policy="pyramid", budget=64, window=8, full_layers=3),
+    "streamingllm": SparsityConfig(policy="streamingllm", budget=64, window=8, full_layers=3),
 }
 
 
