@@ -56,6 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         "completion_tokens": len(final.token_ids),
         "finish_reason": final.finish_reason,
         "kv_tokens_per_group": final.kv_tokens_per_group,
+        "kv_tokens_held": final.kv_tokens_held,
         "compression_ratio": round(final.compression_ratio, 2),
         "seconds": round(elapsed, 2),
     }

@@ -60,6 +60,17 @@ def test_snapkv_admits_four_times_as_many_4000_token_sequences_as_dense():
     assert sparse_blocks["full"]["used"] >= sparse * cdiv(PROMPT_LEN, 16)
 
 
+def test_a_sparse_layer_holds_its_budget_and_every_token_generated_after_it():
+    """Without decode-time eviction a sparse group grows by one token per generated token: at
+    the end of a 300-token generation it holds budget + 299 (the last token is never fed)."""
+    sparsity = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1)
+    llm = LLM("dummy:tiny", sparsity=sparsity, max_model_len=1024, kv_cache_memory_gb=0.01)
+    prompt = list(range(1, 201))
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=300, ignore_eos=True))
+    assert out.kv_tokens_per_group == {"full": 200, "budget40": 40}
+    assert out.kv_tokens_held == {"full": 200 + 299, "budget40": 40 + 299}
+
+
 def test_full_layers_list_keeps_exactly_those_layers_whole():
     llm = LLM(
         "dummy:tiny",

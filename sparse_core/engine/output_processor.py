@@ -92,7 +92,8 @@ class OutputProcessor:
         return output
 
     def output(self, seq: Sequence) -> RequestOutput:
-        kept = dict(zip((g.name for g in self.plan.groups), seq.prompt_kv_lens, strict=False))
+        names = [g.name for g in self.plan.groups]
+        kept = dict(zip(names, seq.prompt_kv_lens, strict=False))
         kept_token_layers = sum(
             len(g.layers) * n for g, n in zip(self.plan.groups, seq.prompt_kv_lens, strict=False)
         )
@@ -106,6 +107,7 @@ class OutputProcessor:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             kv_tokens_per_group=kept,
+            kv_tokens_held=dict(zip(names, seq.final_kv_lens, strict=False)),
             compression_ratio=prompt_token_layers / kept_token_layers if kept_token_layers else 1.0,
             num_preemptions=seq.num_preemptions,
             num_cached_tokens=seq.num_cached_tokens,

@@ -10,7 +10,9 @@ class RequestOutput:
     """A request's state after a step (streaming) or at the end.
 
     `kv_tokens_per_group` maps each layer group to the tokens per layer its cache kept from the
-    prompt; `compression_ratio` is prompt token-layers over kept token-layers (1.0 when dense).
+    prompt; `kv_tokens_held`, of a finished request, to the tokens per layer its cache held at
+    the end (the prompt's kept ones and every token fed after them: the generated ones but the
+    last); `compression_ratio` is prompt token-layers over kept token-layers (1.0 when dense).
     """
 
     request_id: str
@@ -21,6 +23,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     kv_tokens_per_group: dict[str, int] = field(default_factory=dict)
+    kv_tokens_held: dict[str, int] = field(default_factory=dict)
     compression_ratio: float = 1.0
     num_preemptions: int = 0
     # Prompt tokens found in the prefix cache (vLLM's name; the most any admission found).

@@ -314,6 +314,7 @@ class Scheduler:
             self._finished_since_step_done = True
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            seq.final_kv_lens = list(seq.kv_lens)
             self.block_manager.free(seq)
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)

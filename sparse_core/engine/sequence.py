@@ -42,6 +42,8 @@ class Sequence:
     # Per layer group: tokens kept for the whole prompt (its compression): those kept by the
     # prefill, plus any prompt tokens fed one per step after a compressed prefix.
     prompt_kv_lens: list[int] = field(default_factory=list)
+    # Per layer group: the tokens its cache held when the sequence finished (kv_lens then).
+    final_kv_lens: list[int] = field(default_factory=list)
     decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
     num_scheduled_tokens: int = 0  # tokens the current step feeds: a prefill (chunk), or one

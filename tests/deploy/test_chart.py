@@ -331,7 +331,7 @@ def test_calibration_step_writes_where_the_engines_read(helm: str) -> None:
     """The init container runs `kvsparse calibrate` (arguments our own parser takes) on the
     model the engines load, in their number formats, into the profile directory every Ray
     container is given; the engines leave full_layers to it."""
-    from sparse_core.cli import build_parser
+    from service.cli import build_parser  # the `kvsparse` command
 
     (rs,) = by_kind(render(helm, {"calibration": {"extraArgs": ["--samples=3"]}}), "RayService")
     args = serve_app(rs)["args"]
