@@ -48,7 +48,8 @@ AFFINITY_MAX_QUEUED = 2
 def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, float, float]:
     """Sort key, best first. Replicas that can admit one more request now come first, the one
     with the most projected free KV first; the others follow, least queued work first, then the
-    most KV left after one more request (negated: below 0, it has room)."""
+    most KV left once the queued requests and one more are admitted (negated: not above 0, it
+    has room for them)."""
     if stats is None:  # not reported yet (just started): assume empty
         return (0, -1.0, float(ongoing or 0))
     reported = stats.num_running + stats.num_waiting
@@ -58,7 +59,7 @@ def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, floa
     queued = stats.num_waiting + max(-seats, 0)
     if queued == 0 and seats > 0 and free >= stats.kv_per_request_fraction:
         return (0, -free, float(reported + arrived))
-    return (1, float(queued), stats.kv_per_request_fraction - free)
+    return (1, float(queued), (queued + 1) * stats.kv_per_request_fraction - free)
 
 
 def _stats(replica: RunningReplica) -> RoutingStats | None:
@@ -111,7 +112,8 @@ class PrefixOwners:
 
 def keeps_its_prefixes(rank: tuple[int, float, float]) -> bool:
     """Whether a replica of this `rank_key` gets the prompts whose prefix it holds: it can admit
-    one now, or at most AFFINITY_MAX_QUEUED wait there and its KV cache has room for one more."""
+    one now, or at most AFFINITY_MAX_QUEUED wait there and its KV cache has room for them and
+    one more."""
     must_wait, queued, minus_room = rank
     return must_wait == 0 or (queued <= AFFINITY_MAX_QUEUED and minus_room <= 0)
 

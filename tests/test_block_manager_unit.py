@@ -158,7 +158,7 @@ def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_use
     a = prefilled(bm, Sequence("a", ids(1, 64), SamplingParams(), 2))
     bm.free(a)  # newer than b's, never found again
     assert [pool.num_cached for pool in bm.pools] == [9, 9]
-    assert bm.pools[1].num_free_for_new_prefix == 3
+    assert bm.pools[1].has_room_for_new_prefix(3) and not bm.pools[1].has_room_for_new_prefix(4)
     # Two misses of 100 tokens: caching would need 10 sparse blocks where 3 hold no prefix, so
     # both run without the cache, keeping 3 blocks each: the second evicts 3 cached blocks,
     # b2's fifth and a's last two (a prefix's tail leaves before its head).

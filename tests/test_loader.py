@@ -19,6 +19,7 @@ from sparse_core.models.loader import (
     _unpermute_rope_rows,
     builtin_model_path,
     load_model_source,
+    model_name,
 )
 
 TEXTS = [
@@ -95,7 +96,10 @@ def hf_tokenizer(gguf_path: Path):
 def test_builtin_config(smollm: ModelSource, gguf_path: Path) -> None:
     c = smollm.config
     assert smollm.path == str(gguf_path)
-    assert c.name == "smollm2-135m-instruct"
+    assert c.name == "smollm2-135m-instruct" == model_name("smollm2-135m-instruct")
+    assert load_model_source(str(gguf_path)).config.name == model_name(str(gguf_path))
+    assert model_name("dummy:tiny") == load_model_source("dummy:tiny").config.name
+    assert model_name("org/not-here") == "org/not-here"  # a hub id keeps its name
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (30, 9, 3)
     assert (c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size) == (576, 1536, 64, 49152)
     assert c.tie_word_embeddings and not c.attention_bias
@@ -199,7 +203,7 @@ def test_hf_dir_llama_round_trip(tmp_path: Path) -> None:
     src = load_model_source(str(tmp_path))
     c = src.config
     assert src.path == str(tmp_path.resolve())
-    assert c.name == tmp_path.name
+    assert c.name == tmp_path.name == model_name(str(tmp_path))  # named without loading too
     assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 96, 2)
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 16)
     assert (c.vocab_size, c.max_position_embeddings) == (300, 1024)

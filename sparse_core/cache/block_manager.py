@@ -34,7 +34,7 @@ class BlockManager:
     groups share the cached blocks, and compressing groups read them when they score and gather
     the prompt, then keep their own selection. A prefill without room for that caches nothing
     and takes the blocks it takes without the cache; so does one that found nothing cached and
-    would have to evict a cached prefix to cache its own (`BlockPool`'s scan resistance).
+    would have to evict a live cached prefix to cache its own (`BlockPool`'s scan resistance).
     """
 
     def __init__(
@@ -113,8 +113,9 @@ class BlockManager:
         prefix does not displace the cached ones still asked for."""
         new_prefix = admission.caches and not admission.cached[0]
         return all(
-            new + sum(pool.refs(b) == 0 for b in cached)
-            <= (pool.num_free_for_new_prefix if new_prefix else pool.num_free)
+            pool.has_room_for_new_prefix(new)
+            if new_prefix
+            else new + sum(pool.refs(b) == 0 for b in cached) <= pool.num_free
             for new, cached, pool in zip(
                 admission.new_blocks, admission.cached, self.pools, strict=True
             )

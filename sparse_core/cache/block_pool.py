@@ -8,9 +8,9 @@ and sequences that share a prefix share its blocks.
 
 Eviction resists a scan: a cached block that a prefill has found again (*proven*) leaves only
 after every cached block that none has, each kind least recently used first; and a prefill that
-found nothing caches its blocks only where nothing live is cached (`num_free_for_new_prefix`;
+found nothing caches its blocks only where nothing live is cached (`has_room_for_new_prefix`;
 BlockManager decides): free blocks, and cached ones *expired*, idle for more than twice the
-ticks (admissions, BlockManager's `tick`) a found block had been idle on average. Without that,
+ticks (admissions, BlockManager's `tick`) that hits had found their blocks idle, on average. Without that,
 more live prefixes than the cache holds (64 chats cycling through room for 28) evict each other
 before they are asked for again and nothing ever hits; with it, the prefixes cached first stay
 and hit at every turn while they are asked for, the others run as without the cache, and a
@@ -25,7 +25,7 @@ from array import array
 from collections import OrderedDict, deque
 
 BlockHash = bytes
-# Weight of each found block's idle ticks in their running average.
+# Weight of each hit's idle ticks in their running average.
 REUSE_EMA = 0.25
 
 
@@ -61,11 +61,16 @@ class BlockPool:
         """Blocks an allocation can take: free ones and cached ones."""
         return len(self._free) + len(self._unproven) + len(self._proven)
 
-    @property
-    def num_free_for_new_prefix(self) -> int:
-        """What a prefill that found nothing may cache into: free blocks, and cached ones
-        expired (`allocate` takes those first)."""
-        return len(self._free) + sum(map(self._num_expired, (self._unproven, self._proven)))
+    def has_room_for_new_prefix(self, count: int) -> bool:
+        """Whether a prefill that found nothing may cache `count` blocks: into free blocks and
+        cached ones expired (`allocate` takes those first). Counts no further than it needs."""
+        short = count - len(self._free)
+        for cached in (self._unproven, self._proven):
+            if short <= 0:
+                break
+            expired = itertools.takewhile(self._expired, cached)
+            short -= sum(1 for _ in itertools.islice(expired, short))
+        return short <= 0
 
     def tick(self) -> None:
         """One admission: the clock cached blocks age by."""
@@ -74,10 +79,6 @@ class BlockPool:
     def _expired(self, block: int) -> bool:
         ttl = self._reuse_ticks
         return ttl is not None and self._clock - self._idle_since[block] > 2 * ttl
-
-    def _num_expired(self, cached: OrderedDict[int, None]) -> int:
-        """Expired blocks of one cached list (oldest first, so they lead it)."""
-        return sum(1 for _ in itertools.takewhile(self._expired, cached))
 
     @property
     def num_used(self) -> int:
@@ -146,7 +147,9 @@ class BlockPool:
 
     def take_cached(self, blocks: list[int]) -> None:
         """Reference blocks found by `cached_prefix` (a cached one becomes used again); each is
-        proven from now on."""
+        proven from now on. A hit on cached blocks adds how long they were idle to the average
+        (once per hit, however many blocks it found)."""
+        idle: list[int] = []
         for block in blocks:
             self._found.add(block)
             if block in self._refs:
@@ -154,9 +157,10 @@ class BlockPool:
             else:
                 (self._unproven if block in self._unproven else self._proven).pop(block)
                 self._refs[block] = 1
-                idle = self._clock - self._idle_since.pop(block)
-                ttl = self._reuse_ticks
-                self._reuse_ticks = idle if ttl is None else ttl + REUSE_EMA * (idle - ttl)
+                idle.append(self._clock - self._idle_since.pop(block))
+        if idle:
+            mean, ttl = sum(idle) / len(idle), self._reuse_ticks
+            self._reuse_ticks = mean if ttl is None else ttl + REUSE_EMA * (mean - ttl)
 
     def register(self, blocks: list[int], hashes: list[BlockHash]) -> None:
         """Make used blocks findable by their prefix hashes (a hash some block has already

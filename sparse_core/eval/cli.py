@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from datetime import date
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from sparse_core.eval.runner import (
     run_suite,
 )
 from sparse_core.eval.tasks import TASKS, Sample, TaskBuilder
+from sparse_core.models.loader import load_model_source, model_name
 from sparse_core.policy import (
     budget_profile_dirs,
     load_profile,
@@ -135,7 +137,8 @@ def add_eval_subcommands(sub: argparse._SubParsersAction) -> None:
     ca.add_argument(
         "--skip-existing",
         action="store_true",
-        help="do nothing if the model has a calibrated profile already (an install step)",
+        help="do nothing if the model has a calibrated profile already (--profile, else where "
+        "engines look), before loading anything: an install step (full-layer profiles only)",
     )
     ca.add_argument(
         "--target-compression",
@@ -184,18 +187,20 @@ def _settings(args: argparse.Namespace) -> RunSettings:
 
 
 def _samples(args: argparse.Namespace) -> tuple[list[Sample], object]:
-    from sparse_core.models.loader import load_model_source
-
     source = load_model_source(args.model)
-    builder = TaskBuilder(source.tokenizer, seed=args.seed)
+    return _build_samples(args, source, args.seed), source
+
+
+def _build_samples(args: argparse.Namespace, source, seed: int) -> list[Sample]:
+    """The suite's prompts for `source`'s tokenizer, drawn with `seed`."""
+    builder = TaskBuilder(source.tokenizer, seed=seed)
     limit = source.config.max_position_embeddings - 64  # room for the answer
-    samples = [
+    return [
         s
         for task in args.tasks.split(",")
         for length in _ints(args.lengths)
         for s in builder.build(task, min(length, limit), args.samples)
     ]
-    return samples, source
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -242,11 +247,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.target_compression:
         return cmd_calibrate_budgets(args)
+    if args.skip_existing:  # before anything loads: an install step on every pod start
+        existing = Path(args.profile) if args.profile else profile_path(model_name(args.model))
+        if existing is not None and existing.exists():
+            _note(f"{args.model} has a calibrated profile already: {existing}")
+            return 0
     samples, source = _samples(args)
     num_layers, name = source.config.num_hidden_layers, source.config.name
-    if args.skip_existing and profile_path(name) is not None:
-        _note(f"{name} has a calibrated profile already: {profile_path(name)}")
-        return 0
     settings = _settings(args)
     _note(
         f"calibrate {name}: {num_layers} layers in bands of {args.band_size}, "
@@ -288,8 +295,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             json.dumps(as_dicts(probe_results)) + "\n"
         )
     if args.compare_ratios:
-        args.seed = args.compare_seed
-        compare_samples, _ = _samples(args)
+        compare_samples = _build_samples(args, source, args.compare_seed)
         configs = cal.comparison_configs(full, _floats(args.compare_ratios))
         compare = run_suite(configs, compare_samples, settings, source=source)
         _write(args, compare, f"{name}: layer profiles at equal compression", plot_it=False)
@@ -297,11 +303,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write a whole file or none: engines starting beside the writer never read half of one."""
+    """Write a whole file or none: engines starting beside the writer never read half of one,
+    and writers on other pods (a shared volume) each write their own temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    partial.replace(path)
+    fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.replace(partial, path)
 
 
 def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
@@ -362,8 +370,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
         path = out_dir / f"{target:g}x.json"
         _write_atomically(path, json.dumps(profile, indent=2) + "\n")
         _note(f"{target:g}x: layer ratios {list(ratios)} -> {path}")
-    args.seed = args.compare_seed
-    compare_samples, _ = _samples(args)
+    compare_samples = _build_samples(args, source, args.compare_seed)
     wanted = ("dense", "budgets@", "uniform@", "random-budgets@")
     configs = [
         c

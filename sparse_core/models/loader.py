@@ -67,6 +67,17 @@ class ModelSource:
     path: str  # the resolved file or directory, or "dummy:<preset>"
 
 
+def model_name(model: str) -> str:
+    """The name `load_model_source(model)` gives the model (what calibrated profiles are found
+    by), without loading it."""
+    if model.startswith("dummy:") or model in BUILTIN_MODELS:
+        return model
+    path = Path(model).expanduser()
+    if not path.exists() and HF_REPO_ID.fullmatch(model) is not None:
+        return model
+    return path.stem if path.suffix == ".gguf" else path.resolve().name
+
+
 def load_model_source(model: str, hf_overrides: dict[str, Any] | None = None) -> ModelSource:
     """Load the config, weights and tokenizer that `model` names (see the module docstring)."""
     if model.startswith("dummy:"):

@@ -7,6 +7,7 @@ import copy
 import gzip
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -323,11 +324,14 @@ def test_model_download_feeds_the_engine(helm: str) -> None:
 def test_download_needs_the_cache(helm: str) -> None:
     with pytest.raises(AssertionError, match=r"model\.cache\.enabled"):
         render(helm, {"model": {"cache": {"enabled": False}}})
-    with pytest.raises(AssertionError, match=r"calibration\.enabled=false"):
-        render(helm, {"model": {"cache": {"enabled": False}, "hfRepo": ""}})
+    # Without the cache there is nowhere to keep a profile: no calibration step.
+    (rs,) = by_kind(render(helm, {"model": {"cache": {"enabled": False}, "hfRepo": ""}}),
+                    "RayService")  # fmt: skip
+    spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert "initContainers" not in spec
 
 
-def test_calibration_step_writes_where_the_engines_read(helm: str) -> None:
+def test_calibration_step_writes_where_the_engines_read(helm: str, tmp_path: Path) -> None:
     """The init container runs `kvsparse calibrate` (arguments our own parser takes) on the
     model the engines load, in their number formats, into the profile directory every Ray
     container is given; the engines leave full_layers to it."""
@@ -339,8 +343,9 @@ def test_calibration_step_writes_where_the_engines_read(helm: str) -> None:
     (worker,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     spec = worker["template"]["spec"]
     _, calibrate = spec["initContainers"]
-    assert calibrate["command"] == ["kvsparse", "calibrate"]
-    parsed = build_parser().parse_args(calibrate["command"][1:] + calibrate["args"])
+    shell, flag, script, name = calibrate["command"]
+    assert (shell, flag) == ("sh", "-c") and script.startswith('kvsparse calibrate "$@" ||')
+    parsed = build_parser().parse_args(["calibrate", *calibrate["args"]])
     assert parsed.model == args["model"] and parsed.skip_existing and parsed.samples == 3
     assert (parsed.quantization, parsed.kv_cache_dtype) == ("fp8", "fp8")
     assert parsed.compare_ratios == ""
@@ -354,6 +359,17 @@ def test_calibration_step_writes_where_the_engines_read(helm: str) -> None:
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert profile_dir(calibrate) == profile_dir(engine) == profile_dir(head)
     assert profile_dir(engine) == "/models/kvsparse-profiles"
+
+    # The step never keeps the pod from starting: a failed calibration is logged, and the
+    # engines keep the first 3 layers whole. Run with a `kvsparse` that fails:
+    fake = tmp_path / "kvsparse"
+    fake.write_text('#!/bin/sh\necho "$@" > "$0.args"\nexit 1\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    run = subprocess.run([shell, flag, script, name, *calibrate["args"]], env=env,
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0 and "kvsparse calibrate failed" in run.stderr
+    assert (tmp_path / "kvsparse.args").read_text().split() == ["calibrate", *calibrate["args"]]
 
     (rs,) = by_kind(render(helm, {"calibration": {"enabled": False}}), "RayService")
     spec = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]

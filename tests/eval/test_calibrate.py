@@ -50,6 +50,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch):
         return [SampleResult(c.name, "t", 500, 0, None, 500, acc(c), 2.0, "") for c in configs]
 
     monkeypatch.setattr(eval_cli, "_samples", lambda args: ([], _FakeSource()))
+    monkeypatch.setattr(eval_cli, "_build_samples", lambda args, source, seed: [])
     monkeypatch.setattr(cal, "run_suite", fake_run_suite)
     monkeypatch.setattr(eval_cli, "run_suite", fake_run_suite)
     profile = tmp_path / "profile.json"

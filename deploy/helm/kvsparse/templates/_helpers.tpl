@@ -81,7 +81,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kvsparse.env" -}}
 - name: HF_HOME
   value: {{ .Values.model.cache.mountPath | quote }}
-{{- if .Values.calibration.enabled }}
+{{- if include "kvsparse.calibrates" . }}
 - name: KVSPARSE_PROFILE_DIR
   value: {{ include "kvsparse.profileDir" . | quote }}
 {{- end }}
@@ -110,6 +110,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/* Whether GPU pods calibrate the model: it needs the model cache, where the profile goes. */}}
+{{- define "kvsparse.calibrates" -}}
+{{- if and .Values.calibration.enabled .Values.model.cache.enabled }}true{{ end }}
 {{- end }}
 
 {{/* Where the calibration step writes, and the engines read, the served model's profile. */}}
@@ -150,14 +155,17 @@ calibration of the model (once per cache: it skips a model that has a profile th
   volumeMounts:
     {{- include "kvsparse.volumeMounts" . | nindent 4 }}
 {{- end }}
-{{- if .Values.calibration.enabled }}
-{{- if not .Values.model.cache.enabled }}
-{{- fail "calibration writes the model's profile into the model cache: set model.cache.enabled=true (or calibration.enabled=false)" }}
-{{- end }}
+{{- if include "kvsparse.calibrates" . }}
 - name: calibrate-layers
   image: {{ include "kvsparse.image" . }}
   imagePullPolicy: {{ .Values.image.pullPolicy }}
-  command: ["kvsparse", "calibrate"]
+  # A failed calibration (a model that needs tensor parallelism does not fit one GPU) leaves
+  # the pod to start with the first 3 layers whole, as the engines then log.
+  command:
+    - sh
+    - -c
+    - 'kvsparse calibrate "$@" || echo "kvsparse calibrate failed: the engines keep the first 3 layers whole" >&2'
+    - kvsparse-calibrate
   args:
     - --model={{ .Values.model.path }}
     - --skip-existing
