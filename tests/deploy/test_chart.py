@@ -406,6 +406,8 @@ def test_dockerfile_matches_chart(helm: str) -> None:
     extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
     assert extras and "serve" in extras.group(1).split(",")
     assert '-c constraints.txt ".[${EXTRAS}]"' in text
+    # The calibration step's English text is in the image, where the step looks for it.
+    assert "ENV KVSPARSE_EVAL_DATA=" in text and "english_text()" in text
     # Ubuntu 24.04's own uid-1000 user makes way for ours.
     assert text.index("userdel --remove ubuntu") < text.index("useradd --create-home --uid 1000")
     for line in text.splitlines():
