@@ -7,6 +7,7 @@ a sequence over its life, sparse_core/cache/retention.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -19,7 +20,6 @@ from sparse_core.config import SparsityConfig
 # Profiles shipped with kvsparse: PROFILE_DIR / <model>.json (the layers kept whole) and
 # PROFILE_DIR / layer_budgets / <model> / <target compression>x.json (per-layer budgets).
 PROFILE_DIR = Path(__file__).parent / "profiles"
-LAYER_BUDGET_DIR = PROFILE_DIR / "layer_budgets"
 # A directory of profiles calibrated where the model is served (the Helm chart's calibration
 # step writes them into the model cache), laid out as PROFILE_DIR and searched before it.
 PROFILE_DIR_ENV = "KVSPARSE_PROFILE_DIR"
@@ -145,10 +145,7 @@ def nearest_budget_profile(model_name: str, target_compression: float) -> Budget
     profiles = budget_profiles(model_name)
     if not profiles:
         known = sorted(
-            p.name
-            for d in profile_dirs()
-            if (d / "layer_budgets").is_dir()
-            for p in (d / "layer_budgets").iterdir()
+            {p.parent.name for d in profile_dirs() for p in d.glob("layer_budgets/*/*.json")}
         )
         raise ValueError(
             f"layer_budgets='auto' needs per-layer budget profiles for model {model_name!r}, and "
@@ -197,27 +194,32 @@ def layer_budgets(
     return list(spec)
 
 
+def with_full_layers_given(sparsity: SparsityConfig, model_name: str) -> tuple[SparsityConfig, str]:
+    """`sparsity` with an unset full_layers (and no layer_budgets) made explicit: the model's
+    calibrated profile where one exists, else the first DEFAULT_FULL_LAYERS (logged, since
+    calibrating finds better ones); and where the layers kept whole come from (LayerPlan.source).
+    """
+    given = sparsity.layer_budgets if sparsity.layer_budgets is not None else sparsity.full_layers
+    if given is not None:
+        return sparsity, "calibrated" if given == "auto" else "configured"
+    path = profile_path(model_name)
+    if path is None:
+        logger.warning(
+            "%s has no calibrated layer profile: the first %d layers kept whole (the article's "
+            "shape); `kvsparse calibrate --model %s` finds the layers it needs whole "
+            "(docs/accuracy.md)",
+            model_name,
+            DEFAULT_FULL_LAYERS,
+            model_name,
+        )
+        return dataclasses.replace(sparsity, full_layers=DEFAULT_FULL_LAYERS), "default"
+    logger.info("%s: the layers kept whole from its calibrated profile %s", model_name, path)
+    return dataclasses.replace(sparsity, full_layers="auto"), "calibrated"
+
+
 def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> list[int]:
-    """The layers kept whole. Unset: the model's calibrated profile where one exists, else the
-    first DEFAULT_FULL_LAYERS (logged, since calibrating finds better ones)."""
-    spec = sparsity.full_layers
-    if spec is None:
-        path = profile_path(model_name)
-        if path is None:
-            logger.warning(
-                "%s has no calibrated layer profile: the first %d layers kept whole (the "
-                "article's shape); `kvsparse calibrate --model %s` finds the layers it needs "
-                "whole (docs/accuracy.md)",
-                model_name,
-                DEFAULT_FULL_LAYERS,
-                model_name,
-            )
-            spec = DEFAULT_FULL_LAYERS
-        else:
-            logger.info(
-                "%s: the layers kept whole from its calibrated profile %s", model_name, path
-            )
-            spec = "auto"
+    """The layers kept whole (unset: see with_full_layers_given)."""
+    spec = with_full_layers_given(sparsity, model_name)[0].full_layers
     if spec == "auto":
         spec = load_profile(model_name)["full_layers"]
     if isinstance(spec, int):
@@ -243,6 +245,7 @@ def plan_layers(
         return LayerPlan(
             (LayerGroup("full", tuple(range(num_layers)), None),), (0,) * num_layers, "none"
         )
+    sparsity, source = with_full_layers_given(sparsity, model_name)
     budgets = layer_budgets(sparsity, num_layers, model_name, prompt_len)
     # One group per distinct budget, full layers first, then budgets from large to small.
     distinct = sorted({b for b in budgets if b is not None}, reverse=True)
@@ -256,15 +259,7 @@ def plan_layers(
         for b in keys
     )
     layer_to_group = tuple(keys.index(b) for b in budgets)
-    return LayerPlan(groups, layer_to_group, _plan_source(sparsity, model_name))
-
-
-def _plan_source(sparsity: SparsityConfig, model_name: str) -> str:
-    """LayerPlan.source of a compressing config."""
-    given = sparsity.layer_budgets if sparsity.layer_budgets is not None else sparsity.full_layers
-    if given == "auto" or (given is None and profile_path(model_name) is not None):
-        return "calibrated"
-    return "default" if given is None else "configured"
+    return LayerPlan(groups, layer_to_group, source)
 
 
 def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:

@@ -10,11 +10,12 @@ Eviction resists a scan: a cached block that a prefill has found again (*proven*
 after every cached block that none has, each kind least recently used first; and a prefill that
 found nothing caches its blocks only where nothing live is cached (`has_room_for_new_prefix`;
 BlockManager decides): free blocks, and cached ones *expired*, idle for more than twice the
-ticks (admissions, BlockManager's `tick`) that hits had found their blocks idle, on average. Without that,
-more live prefixes than the cache holds (64 chats cycling through room for 28) evict each other
-before they are asked for again and nothing ever hits; with it, the prefixes cached first stay
-and hit at every turn while they are asked for, the others run as without the cache, and a
-prefix no longer asked for (a finished conversation) makes room for new ones once it expires.
+ticks (admissions, BlockManager's `tick`) that hits had found their blocks idle, on average.
+Without that, more live prefixes than the cache holds (64 chats cycling through room for 28)
+evict each other before they are asked for again and nothing ever hits; with it, the prefixes
+cached first stay and hit at every turn while they are asked for, the others run as without
+the cache, and a prefix no longer asked for (a finished conversation) makes room for new ones
+once it expires.
 """
 
 from __future__ import annotations

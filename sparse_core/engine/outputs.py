@@ -12,8 +12,9 @@ class RequestOutput:
     `kv_tokens_per_group` maps each layer group to the tokens per layer its cache kept from the
     prompt; `kv_tokens_held`, of a finished request, to the tokens per layer its cache held at
     the end (the prompt's kept ones and every token fed after them: the generated ones but the
-    last; with async scheduling, one more where the step launched ahead had taken its slot; empty
-    for a request that ended while not running); `compression_ratio` is prompt token-layers over kept token-layers (1.0 when dense).
+    last; with async scheduling, one more where the step launched ahead had taken its slot;
+    empty for a request that ended while not running); `compression_ratio` is prompt
+    token-layers over kept token-layers (1.0 when dense).
     """
 
     request_id: str

@@ -67,14 +67,17 @@ class ModelSource:
     path: str  # the resolved file or directory, or "dummy:<preset>"
 
 
+def _from_hub(model: str) -> bool:
+    """Whether `model` is a Hugging Face repository id (no such local path)."""
+    return not Path(model).expanduser().exists() and HF_REPO_ID.fullmatch(model) is not None
+
+
 def model_name(model: str) -> str:
-    """The name `load_model_source(model)` gives the model (what calibrated profiles are found
-    by), without loading it."""
-    if model.startswith("dummy:") or model in BUILTIN_MODELS:
+    """The name a model loads under (what calibrated profiles are found by), without loading
+    it: a dummy or built-in model's and a repository's own, a file's stem, a directory's name."""
+    if model.startswith("dummy:") or model in BUILTIN_MODELS or _from_hub(model):
         return model
     path = Path(model).expanduser()
-    if not path.exists() and HF_REPO_ID.fullmatch(model) is not None:
-        return model
     return path.stem if path.suffix == ".gguf" else path.resolve().name
 
 
@@ -82,25 +85,21 @@ def load_model_source(model: str, hf_overrides: dict[str, Any] | None = None) ->
     """Load the config, weights and tokenizer that `model` names (see the module docstring)."""
     if model.startswith("dummy:"):
         return _load_dummy(model.removeprefix("dummy:"), hf_overrides)
+    name = model_name(model)
     if model in BUILTIN_MODELS:
-        source = _load_gguf(Path(builtin_model_path(model)), name=model)
+        source = _load_gguf(Path(builtin_model_path(model)), name)
     else:
-        path = Path(model).expanduser()
-        from_hub = not path.exists() and HF_REPO_ID.fullmatch(model) is not None
-        if from_hub:
-            path = hub_snapshot(model)
+        path = hub_snapshot(model) if _from_hub(model) else Path(model).expanduser()
         if not path.exists():
             raise ValueError(f"model {model!r}: no such file or directory. {_accepted()}")
         if path.is_file() and path.suffix == ".gguf":
-            source = _load_gguf(path.resolve(), name=path.stem)
+            source = _load_gguf(path.resolve(), name)
         elif path.is_dir() and (path / "config.json").is_file():
-            source = _load_hf_dir(path.resolve())
+            source = _load_hf_dir(path.resolve(), name)
         else:
             raise ValueError(
                 f"model {model!r} is neither a .gguf file nor a model directory with config.json. {_accepted()}"
             )
-        if from_hub:  # named by its repository (calibrated profiles, logs), not the snapshot
-            source.config = dataclasses.replace(source.config, name=model)
     source.config = source.config.with_overrides(hf_overrides)
     return source
 
@@ -264,7 +263,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _load_hf_dir(path: Path) -> ModelSource:
+def _load_hf_dir(path: Path, name: str) -> ModelSource:
     hf = json.loads((path / "config.json").read_text())
     if hf.get("model_type") not in HF_MODEL_TYPES:
         raise ValueError(
@@ -274,7 +273,7 @@ def _load_hf_dir(path: Path) -> ModelSource:
         raise ValueError(
             f"{path}: use_sliding_window is set; sliding-window attention is not supported"
         )
-    config = ModelConfig.from_hf_dict(hf, name=path.name)
+    config = ModelConfig.from_hf_dict(hf, name=name)
     quantization = parse_quantization_config(hf.get("quantization_config"), str(path))
     config = dataclasses.replace(config, checkpoint_quantization=quantization)
     # Chat models often list extra stop ids (e.g. Llama 3's <|eot_id|>) only in generation_config.json.
