@@ -53,7 +53,9 @@ class VllmAsyncLLM:
         hf = json.loads((Path(path) / "config.json").read_text())
         self.num_layers = hf["num_hidden_layers"]
         self.vocab_size: int = hf["vocab_size"]
-        self.plan = plan_layers(sparsity, self.num_layers, name, config.expected_input_len)
+        self.plan = plan_layers(sparsity, self.num_layers, name).at_length(
+            config.expected_input_len
+        )
         self.dummy = config.model.startswith("dummy:")
         self.tokenizer: Tokenizer | ByteTokenizer
         if self.dummy:

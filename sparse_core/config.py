@@ -58,10 +58,10 @@ class SparsityConfig:
     layer_budgets: a budget for every layer instead of one `budget` for all sparse layers: a
                   list with one entry per layer (tokens per KV head, None keeps the layer whole),
                   or "auto": the model's calibrated profile nearest `target_compression`
-                  (sparse_core/profiles/layer_budgets/), sized for the engine's
-                  expected_input_len. Layers with equal budgets share one KV pool.
+                  (sparse_core/profiles/layer_budgets/), whose layers keep a share of each
+                  prompt (LayerGroup.ratio). Layers with equal budgets share one KV pool.
     target_compression: the effective compression over all layers that layer_budgets="auto"
-                  asks for (prompt token-layers / kept token-layers at expected_input_len)
+                  asks for (prompt token-layers / kept token-layers, at every prompt length)
     """
 
     policy: Policy = option("dense", "which tokens the sparse layers keep")

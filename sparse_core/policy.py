@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,15 +33,34 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerGroup:
+    """Layers that keep the same share of a prompt: `budget` tokens of every prompt, or a
+    `ratio`-th of each (calibrated budgets: the compression asked for at every prompt length),
+    or, with neither, all of it."""
+
     name: str
     layers: tuple[int, ...]
-    budget: int | None  # None: the layer keeps every token
+    budget: int | None = None  # tokens per KV head kept of every prompt
+    ratio: float | None = None  # keeps ceil(n / ratio) of an n-token prompt, at least `floor`
+    floor: int = 0  # fewest tokens a ratio keeps: what the window and sinks need
+
+    @property
+    def whole(self) -> bool:
+        return self.budget is None and self.ratio is None
 
     def kept_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens per KV head this group holds right after prefilling a prompt."""
-        if self.budget is None:
-            return num_prompt_tokens
-        return min(num_prompt_tokens, self.budget)
+        n = num_prompt_tokens
+        if self.ratio is not None:
+            return min(n, ratio_budget(n, self.ratio, self.floor))
+        return n if self.budget is None else min(n, self.budget)
+
+    def at_length(self, num_prompt_tokens: int) -> LayerGroup:
+        """The group with a ratio fixed into the budget it gives a prompt of this length (for
+        vLLM's plugin, whose KV cache specs take a fixed budget)."""
+        if self.ratio is None:
+            return self
+        budget = self.kept_tokens(num_prompt_tokens)
+        return LayerGroup(f"budget{budget}", self.layers, budget)
 
 
 @dataclass(frozen=True)
@@ -53,7 +73,16 @@ class LayerPlan:
 
     @property
     def full_layers(self) -> list[int]:
-        return [i for i, g in enumerate(self.layer_to_group) if self.groups[g].budget is None]
+        return [i for i, g in enumerate(self.layer_to_group) if self.groups[g].whole]
+
+    @property
+    def compresses(self) -> bool:
+        return not all(g.whole for g in self.groups)
+
+    def at_length(self, num_prompt_tokens: int) -> LayerPlan:
+        """The plan with every ratio fixed into the budget it gives a prompt of this length."""
+        groups = tuple(g.at_length(num_prompt_tokens) for g in self.groups)
+        return dataclasses.replace(self, groups=groups)
 
 
 def profile_dirs() -> list[Path]:
@@ -106,17 +135,19 @@ class BudgetProfile:
             data["model"], float(data["target_compression"]), tuple(data["layer_ratios"]), path
         )
 
-    def budgets(self, prompt_len: int, floor: int) -> list[int | None]:
-        return budgets_for_ratios(self.layer_ratios, prompt_len, floor)
-
 
 def budgets_for_ratios(
     ratios: tuple[float | None, ...] | list[float | None], prompt_len: int, floor: int
 ) -> list[int | None]:
-    """Token budgets of layers that keep prompt_len / ratio tokens (None: whole), none below
-    `floor` (what the window and sinks need). Layers of one ratio get one budget, so they share
-    a pool."""
-    return [None if r is None else max(floor, round(prompt_len / r)) for r in ratios]
+    """Token budgets of layers that keep a ratio-th of a prompt_len-token prompt (None: whole),
+    none below `floor` (what the window and sinks need)."""
+    return [None if r is None else ratio_budget(prompt_len, r, floor) for r in ratios]
+
+
+def ratio_budget(prompt_len: int, ratio: float, floor: int) -> int:
+    """Tokens a layer of this ratio keeps of a prompt: a ratio-th, rounded up, at least
+    `floor`."""
+    return max(floor, math.ceil(prompt_len / ratio))
 
 
 def ratios_compression(ratios: tuple[float | None, ...] | list[float | None]) -> float:
@@ -163,35 +194,37 @@ def nearest_budget_profile(model_name: str, target_compression: float) -> Budget
     return best
 
 
-def layer_budgets(
-    sparsity: SparsityConfig, num_layers: int, model_name: str, prompt_len: int | None
-) -> list[int | None]:
-    """Budget of every layer (None: whole), from whichever of full_layers + budget (+ pyramid)
-    or layer_budgets the config uses."""
+# What one layer keeps: (budget, ratio) as in LayerGroup; (None, None) keeps it whole.
+LayerKeep = tuple[int | None, float | None]
+
+
+def layer_keeps(sparsity: SparsityConfig, num_layers: int, model_name: str) -> list[LayerKeep]:
+    """What every layer keeps, from whichever of full_layers + budget (+ pyramid) or
+    layer_budgets the config uses; layer_budgets="auto" keeps the calibrated ratios."""
     spec = sparsity.layer_budgets
-    floor = sparsity.window + sparsity.sinks + 1
-    if spec is None:
-        full = set(resolve_full_layers(sparsity, num_layers, model_name))
-        sparse = [i for i in range(num_layers) if i not in full]
-        by_layer: dict[int, int | None] = {i: None for i in full}
-        by_layer.update(zip(sparse, _sparse_budgets(sparsity, len(sparse)), strict=True))
-        return [by_layer[i] for i in range(num_layers)]
     if spec == "auto":
-        if prompt_len is None:
-            raise ValueError(
-                "layer_budgets='auto' sizes budgets for the typical prompt; the engine passes "
-                "its expected_input_len, and this caller gave none"
-            )
         assert sparsity.target_compression is not None  # SparsityConfig checks it
-        spec = nearest_budget_profile(model_name, sparsity.target_compression).budgets(
-            prompt_len, floor
-        )
-    if len(spec) != num_layers:
-        raise ValueError(
-            f"layer_budgets has {len(spec)} entries; the model has {num_layers} layers (one "
-            f"entry per layer, None for a whole layer)"
-        )
-    return list(spec)
+        ratios = nearest_budget_profile(model_name, sparsity.target_compression).layer_ratios
+        if len(ratios) != num_layers:
+            raise ValueError(
+                f"{model_name}'s budget profile has {len(ratios)} layers; the model has "
+                f"{num_layers}: calibrate it again (`kvsparse calibrate --target-compression`)"
+            )
+        return [(None, None if r is None else float(r)) for r in ratios]
+    if spec is not None:
+        if len(spec) != num_layers:
+            raise ValueError(
+                f"layer_budgets has {len(spec)} entries; the model has {num_layers} layers (one "
+                f"entry per layer, None for a whole layer)"
+            )
+        return [(b, None) for b in spec]
+    full = set(resolve_full_layers(sparsity, num_layers, model_name))
+    sparse = [i for i in range(num_layers) if i not in full]
+    by_layer: dict[int, LayerKeep] = {i: (None, None) for i in full}
+    by_layer.update(
+        (i, (b, None)) for i, b in zip(sparse, _sparse_budgets(sparsity, len(sparse)), strict=True)
+    )
+    return [by_layer[i] for i in range(num_layers)]
 
 
 def with_full_layers_given(sparsity: SparsityConfig, model_name: str) -> tuple[SparsityConfig, str]:
@@ -236,30 +269,40 @@ def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: s
     return sorted(spec)
 
 
-def plan_layers(
-    sparsity: SparsityConfig, num_layers: int, model_name: str, prompt_len: int | None = None
-) -> LayerPlan:
-    """Layer groups of a model under a sparsity config; `prompt_len`: the typical prompt
-    (EngineConfig.expected_input_len), which layer_budgets="auto" sizes its budgets for."""
+def plan_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> LayerPlan:
+    """Layer groups of a model under a sparsity config."""
     if not sparsity.compresses:
-        return LayerPlan(
-            (LayerGroup("full", tuple(range(num_layers)), None),), (0,) * num_layers, "none"
-        )
+        return LayerPlan((LayerGroup("full", tuple(range(num_layers))),), (0,) * num_layers, "none")
     sparsity, source = with_full_layers_given(sparsity, model_name)
-    budgets = layer_budgets(sparsity, num_layers, model_name, prompt_len)
-    # One group per distinct budget, full layers first, then budgets from large to small.
-    distinct = sorted({b for b in budgets if b is not None}, reverse=True)
-    keys: list[int | None] = ([None] if None in budgets else []) + distinct
+    keeps = layer_keeps(sparsity, num_layers, model_name)
+    # One group per distinct keep: whole layers first, then from the most kept to the least.
+    keys = sorted(set(keeps), key=_most_kept_first)
+    floor = sparsity.window + sparsity.sinks + 1
     groups = tuple(
         LayerGroup(
-            name="full" if b is None else f"budget{b}",
-            layers=tuple(i for i in range(num_layers) if budgets[i] == b),
-            budget=b,
+            name=_group_name(budget, ratio),
+            layers=tuple(i for i in range(num_layers) if keeps[i] == (budget, ratio)),
+            budget=budget,
+            ratio=ratio,
+            floor=floor if ratio is not None else 0,
         )
-        for b in keys
+        for budget, ratio in keys
     )
-    layer_to_group = tuple(keys.index(b) for b in budgets)
+    layer_to_group = tuple(keys.index(k) for k in keeps)
     return LayerPlan(groups, layer_to_group, source)
+
+
+def _most_kept_first(keep: LayerKeep) -> tuple[int, float]:
+    budget, ratio = keep
+    if budget is None and ratio is None:
+        return (0, 0.0)
+    return (1, -budget) if budget is not None else (2, ratio)
+
+
+def _group_name(budget: int | None, ratio: float | None) -> str:
+    if ratio is not None:
+        return f"ratio{ratio:g}"
+    return "full" if budget is None else f"budget{budget}"
 
 
 def _sparse_budgets(sparsity: SparsityConfig, num_sparse: int) -> list[int]:

@@ -1,12 +1,12 @@
 """Which prompt tokens a sparse layer keeps: the selection policies, behind one interface.
 
-A `SelectionPolicy` chooses, for a prefill step's prompts, the `budget` rows of the packed keys
-each KV head keeps. `selection_policy` builds one per rank from the sparsity config, with the
+A `SelectionPolicy` chooses, for a prefill step's prompts, the rows of the packed keys each KV
+head keeps: as many as each prompt's group keeps of it (PromptBatch.kept). `selection_policy` builds one per rank from the sparsity config, with the
 rank's kernels, its own random generator (seeded from SparsityConfig.seed) and the rank's KV
 heads among the model's; the native engine's attention layers (through the step's
-PrefillMetadata) and the vLLM plugin's backend both call it. The budget comes with each call,
-since layer groups differ in it; which layers keep what budget is the layer plan's business
-(sparse_core/policy.py).
+PrefillMetadata) and the vLLM plugin's backend both call it. How many tokens a prompt keeps comes
+with each call, since layer groups and prompt lengths differ in it; which layers keep what is the
+layer plan's business (sparse_core/policy.py).
 
 Adding a policy: write its class here with a `select` method (a policy that ranks tokens by a
 score only needs `scores`: subclass `_TopScores`), add its name to config.POLICIES and its
@@ -15,6 +15,7 @@ constructor to `selection_policy`. Nothing else needs to know it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -23,7 +24,7 @@ import torch
 from sparse_core.config import SparsityConfig
 from sparse_core.engine.transfers import to_device
 from sparse_core.kernels import KernelOps
-from sparse_core.kernels.reference import rows_by_head
+from sparse_core.kernels.reference import ragged_rows
 
 
 @dataclass
@@ -34,8 +35,10 @@ class PromptBatch:
     for it)."""
 
     bounds: list[tuple[int, int]]  # [start, end) of each prompt in the packed keys
+    kept: list[int]  # tokens each prompt keeps per KV head (fewer than its length)
     starts: torch.Tensor
     lengths: torch.Tensor
+    kept_offsets: torch.Tensor  # [S + 1]: where each prompt's kept rows start in the output
     # Where each prompt's window queries end in the packed queries: the ends of `bounds`, unless
     # the step's keys are packed apart from its queries (a prompt's last chunk, whose earlier
     # chunks' keys were gathered from the cache).
@@ -45,16 +48,20 @@ class PromptBatch:
     def from_bounds(
         cls,
         bounds: list[tuple[int, int]],
+        kept: list[int],
         device: torch.device,
         query_ends: list[int] | None = None,
     ) -> PromptBatch:
-        # One copy: starts, then lengths, each contiguous (the selection kernel reads them as
-        # plain arrays; a column of a [S, 2] tensor would read every other value).
+        # One copy of starts, lengths and offsets, each a contiguous slice (the selection
+        # kernel reads them as plain arrays; a column of a [S, 2] tensor would read every other
+        # value).
+        s = len(bounds)
         starts = [start for start, _ in bounds]
         lengths = [end - start for start, end in bounds]
-        on_device = to_device([starts, lengths], torch.int64, device)
+        offsets = [0, *itertools.accumulate(kept)]
+        on_device = to_device(starts + lengths + offsets, torch.int64, device)
         ends = [end for _, end in bounds] if query_ends is None else query_ends
-        return cls(bounds, on_device[0], on_device[1], ends)
+        return cls(bounds, kept, on_device[:s], on_device[s : 2 * s], on_device[2 * s :], ends)
 
 
 class SelectionPolicy(Protocol):
@@ -64,39 +71,36 @@ class SelectionPolicy(Protocol):
         k: torch.Tensor,
         lse: torch.Tensor | None,
         prompts: PromptBatch,
-        budget: int,
         scale: float,
     ) -> torch.Tensor:
         """Rows of the packed K/V that a layer keeps, per KV head, for several prompts at once.
 
         q [T, Hq, D] and k [T', Hkv, D] are a prefill step's packed queries and keys (RoPE
         applied); lse [Hq, T] the attention kernel's row LSE, or None to compute the window
-        rows' LSE here; prompts: the prompts to compress (each longer than the budget).
-        Returns int64 [Hkv, len(prompts.bounds) * budget]: prompt j's kept rows, ascending, in
-        columns [j * budget, (j + 1) * budget). Every step after the scores is batched over the
-        prompts, so the launches per layer do not grow with the number of prompts.
+        rows' LSE here; prompts: the prompts to compress and how many tokens each keeps.
+        Returns int64 [Hkv, sum(prompts.kept)]: prompt j's kept rows, ascending, in the columns
+        from prompts.kept_offsets[j]. Every step after the scores is batched over the prompts,
+        so the launches per layer do not grow with the number of prompts.
         """
         ...
 
 
 @dataclass
 class StreamingLLM:
-    """The first `sinks` tokens and the most recent budget - sinks."""
+    """The first `sinks` tokens and the most recent of the rest."""
 
     sinks: int
 
-    def select(self, q, k, lse, prompts, budget, scale) -> torch.Tensor:
-        sinks, starts, lengths = self.sinks, prompts.starts, prompts.lengths
-        device = k.device
-        recent = budget - sinks
-        positions = torch.cat(
-            [
-                torch.arange(sinks, device=device).expand(len(prompts.bounds), -1),
-                (lengths - recent).unsqueeze(1) + torch.arange(recent, device=device),
-            ],
-            dim=1,
-        )
-        return rows_by_head(positions.unsqueeze(1).expand(-1, k.shape[1], -1), starts)
+    def select(self, q, k, lse, prompts, scale) -> torch.Tensor:
+        sinks, offsets = self.sinks, prompts.kept_offsets
+        columns = torch.arange(max(prompts.kept), device=k.device)
+        # Column c of prompt j (keeping kept_j of n_j tokens): token c among the sinks, else
+        # token n_j - kept_j + c, so the last column kept is the prompt's last token (columns
+        # past kept_j are dropped by ragged_rows).
+        recent = (prompts.lengths - offsets.diff()).unsqueeze(1) + columns
+        positions = torch.where(columns < sinks, columns, recent)
+        by_head = positions.unsqueeze(1).expand(-1, k.shape[1], -1)
+        return ragged_rows(by_head, offsets, sum(prompts.kept), prompts.starts)
 
 
 @dataclass
@@ -110,7 +114,7 @@ class _TopScores:
     pooling: str
     kernel_size: int
 
-    def select(self, q, k, lse, prompts, budget, scale) -> torch.Tensor:
+    def select(self, q, k, lse, prompts, scale) -> torch.Tensor:
         scores = [
             self.scores(q, k, lse, bounds, query_end, scale)
             for bounds, query_end in zip(prompts.bounds, prompts.query_ends, strict=True)
@@ -119,7 +123,8 @@ class _TopScores:
             scores,
             prompts.lengths - self.window,
             prompts.starts,
-            budget,
+            prompts.kept_offsets,
+            prompts.kept,
             self.window,
             self.sinks,
             self.pooling,

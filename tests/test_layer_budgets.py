@@ -81,16 +81,40 @@ def test_engine_keeps_each_layers_budget():
 
 
 def test_auto_picks_the_nearest_shipped_profile(caplog):
+    """The profile's ratios are the groups: one per tier, each keeping its share of a prompt of
+    any length, so the plan compresses as asked at every length."""
     with caplog.at_level(logging.INFO, logger="sparse_core.policy"):
         sparsity = SparsityConfig(policy="snapkv", layer_budgets="auto", target_compression=3.8)
-        plan = plan_layers(sparsity, 30, SMOLLM2, prompt_len=4000)
+        plan = plan_layers(sparsity, 30, SMOLLM2)
     assert "calibrated for 4x (4x.json)" in caplog.text
-    kept = sum(len(g.layers) * g.kept_tokens(4000) for g in plan.groups)
-    assert 30 * 4000 / kept == pytest.approx(4.0, rel=0.05)
     tiers = set(nearest_budget_profile(SMOLLM2, 3.8).layer_ratios)  # None: whole
     assert len(plan.groups) == len(tiers)  # each tier one pool
-    with pytest.raises(ValueError, match="expected_input_len"):
-        plan_layers(sparsity, 30, SMOLLM2)
+    for n in (1000, 2000, 4000, 8000):
+        kept = sum(len(g.layers) * g.kept_tokens(n) for g in plan.groups)
+        assert 30 * n / kept == pytest.approx(4.0, rel=0.01), n
+    # vLLM's plugin fixes a budget per group, at the length it is told to expect.
+    fixed = plan.at_length(4000)
+    assert {g.budget for g in fixed.groups} == {
+        None,
+        *(g.kept_tokens(4000) for g in plan.groups[1:]),
+    }
+    assert fixed.layer_to_group == plan.layer_to_group
+
+
+def test_calibrated_ratios_compress_as_asked_at_every_prompt_length():
+    """The engine on SmolLM2 with the 4x profile: each request keeps its share of its own
+    prompt in every sparse layer, so its compression is 4x at 1k to 8k tokens (budgets sized
+    for one length gave 2.53x at 2k)."""
+    sparsity = SparsityConfig(policy="snapkv", layer_budgets="auto", target_compression=4.0)
+    llm = LLM(sparsity=sparsity, max_model_len=8192, kv_cache_memory_gb=0.5)
+    lengths = [1000, 2000, 4000, 8000]
+    prompts = [[1 + (7 * i) % 40000 for i in range(n)] for n in lengths]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+    groups = llm.engine.plan.groups
+    for n, out in zip(lengths, outs, strict=True):
+        assert out.compression_ratio == pytest.approx(4.0, rel=0.05), n
+        assert out.kv_tokens_per_group == {g.name: g.kept_tokens(n) for g in groups}
+        assert out.kv_tokens_per_group["ratio8"] == -(-n // 8)
 
 
 def test_auto_without_profiles_says_so():

@@ -31,33 +31,36 @@ def test_batched_selection_equals_per_prompt_reference(pooling, gqa_reduce):
         policy="snapkv", budget=40, window=8, sinks=3, pooling=pooling, gqa_reduce=gqa_reduce
     )
     lengths = [41, 97, 64, 150]
+    budgets = [40, 60, 40, 30]  # a budget per prompt, as a group keeping a ratio gives them
     bounds, start = [], 0
     for n in lengths:
         bounds.append((start, start + n))
         start += n
     q, k = torch.randn(start, 6, 16), torch.randn(start, 2, 16)
-    prompts = PromptBatch.from_bounds(bounds, k.device)
-    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 40, 0.25)
-    assert kept.shape == (2, 40 * len(lengths))
+    prompts = PromptBatch.from_bounds(bounds, budgets, k.device)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 0.25)
+    assert kept.shape == (2, sum(budgets))
+    first = 0
     for j, (s, e) in enumerate(bounds):
-        expected = reference_selection(sparsity, 40, q, k, s, e, 0.25)
-        assert torch.equal(kept[:, j * 40 : (j + 1) * 40], expected), j
+        expected = reference_selection(sparsity, budgets[j], q, k, s, e, 0.25)
+        assert torch.equal(kept[:, first : first + budgets[j]], expected), j
+        first += budgets[j]
 
 
 def test_streamingllm_keeps_sinks_and_the_most_recent_tokens():
     sparsity = SparsityConfig(policy="streamingllm", budget=10, window=4, sinks=2)
     q, k = torch.randn(50, 2, 8), torch.randn(50, 2, 8)
-    prompts = PromptBatch.from_bounds([(0, 20), (20, 50)], k.device)
-    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 10, 1.0)
+    prompts = PromptBatch.from_bounds([(0, 20), (20, 50)], [10, 12], k.device)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 1.0)
     assert kept[0, :10].tolist() == [0, 1, *range(12, 20)]
-    assert kept[1, 10:].tolist() == [20, 21, *range(42, 50)]
+    assert kept[1, 10:].tolist() == [20, 21, *range(40, 50)]
 
 
 def test_random_policy_keeps_sinks_and_window_and_differs_per_head():
     sparsity = SparsityConfig(policy="random", budget=16, window=4, sinks=2)
     q, k = torch.randn(200, 4, 8), torch.randn(200, 2, 8)
-    prompts = PromptBatch.from_bounds([(0, 200)], k.device)
-    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 16, 1.0)
+    prompts = PromptBatch.from_bounds([(0, 200)], [16], k.device)
+    kept = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 1.0)
     for head in kept:
         assert head[:2].tolist() == [0, 1] and head[-4:].tolist() == [196, 197, 198, 199]
         assert len(set(head.tolist())) == 16

@@ -531,11 +531,12 @@ def test_store_selected_kv_is_gather_then_store(num_kv: int) -> None:
 )
 @pytest.mark.parametrize("tied", [False, True])
 def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], tied: bool) -> None:
-    """Pooling, top-k and the kept rows of several prompts in one launch, exactly the torch
-    selection's; with scores of a few distinct values, ties go to the earlier token as there."""
+    """Pooling, top-k and the kept rows of several prompts in one launch, each keeping its own
+    number of tokens, exactly the torch selection's; with scores of a few distinct values, ties
+    go to the earlier token as there."""
     torch.manual_seed(len(lengths) + 3 * tied)
     window, sinks, num_kv = 8, 3, 2
-    budget = 40 if max(lengths) < 1000 else 500
+    kept_counts = [max(window + sinks + 1, n // 4) for n in lengths]
     scores = [
         torch.randint(0, 4, (num_kv, n - window), device=DEVICE).float()
         if tied
@@ -544,9 +545,10 @@ def test_select_kept_rows_matches_reference(pooling: str, lengths: list[int], ti
     ]
     scored_lens = torch.tensor([n - window for n in lengths], device=DEVICE)
     starts = torch.tensor([0, *itertools.accumulate(lengths)][:-1], device=DEVICE)
-    args = (scores, scored_lens, starts, budget, window, sinks, pooling, 7)
+    offsets = torch.tensor([0, *itertools.accumulate(kept_counts)], device=DEVICE)
+    args = (scores, scored_lens, starts, offsets, kept_counts, window, sinks, pooling, 7)
     kept = tk.select_kept_rows(*args)
-    assert kept.shape == (num_kv, budget * len(lengths))
+    assert kept.shape == (num_kv, sum(kept_counts))
     assert torch.equal(kept, ref.select_kept_rows(*args))
 
 
@@ -560,8 +562,8 @@ def test_snapkv_selection_of_a_prompt_batch_matches_reference(num_prompts: int) 
     lengths = [70 + 13 * j for j in range(num_prompts)]
     q, k, v, cu = _packed(lengths, 4, 2, 32, torch.float32)
     bounds = list(itertools.pairwise([0, *itertools.accumulate(lengths)]))
-    prompts = PromptBatch.from_bounds(bounds, k.device)
-    sparsity = SparsityConfig(policy="snapkv", budget=30, window=8, sinks=2)
+    prompts = PromptBatch.from_bounds(bounds, [30 + j for j in range(num_prompts)], k.device)
+    sparsity = SparsityConfig(policy="snapkv", window=8, sinks=2)
     triton_ops = dataclasses.replace(
         REFERENCE_OPS,
         prefill_attention=tk.prefill_attention,
@@ -569,15 +571,16 @@ def test_snapkv_selection_of_a_prompt_batch_matches_reference(num_prompts: int) 
         select_kept_rows=tk.select_kept_rows,
     )
     _, lse = triton_ops.prefill_attention(q, k, v, cu, 32**-0.5, max(lengths))
-    kept = selection_policy(sparsity, triton_ops).select(q, k, lse, prompts, 30, 32**-0.5)
-    expected = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 30, 32**-0.5)
+    kept = selection_policy(sparsity, triton_ops).select(q, k, lse, prompts, 32**-0.5)
+    expected = selection_policy(sparsity, REFERENCE_OPS).select(q, k, None, prompts, 32**-0.5)
     assert torch.equal(kept, expected)
 
 
 def test_select_kept_rows_ties_signed_zeros_as_equals() -> None:
     """-0.0 and 0.0 are one value to a sort; the earlier of them is kept."""
     scores = [torch.tensor([[1.0, -0.0, 0.0, 0.0, 2.0, 1.0, -1.0, 0.5, 0.5]], device=DEVICE)]
-    args = (scores, torch.tensor([9], device=DEVICE), torch.tensor([0], device=DEVICE), 8, 2, 0)
+    one = (torch.tensor([9], device=DEVICE), torch.tensor([0], device=DEVICE))
+    args = (scores, *one, torch.tensor([0, 8], device=DEVICE), [8], 2, 0)
     kept = tk.select_kept_rows(*args, "none", 1)
     assert torch.equal(kept, ref.select_kept_rows(*args, "none", 1))
     assert kept.tolist() == [[0, 1, 4, 5, 7, 8, 9, 10]]
@@ -865,7 +868,8 @@ def test_gpu_select_kept_rows_of_4000_and_2500_tokens(pooling: str) -> None:
         scores,
         torch.tensor([n - window for n in lengths], device=DEVICE),
         torch.tensor([0, lengths[0]], device=DEVICE),
-        512,
+        torch.tensor([0, 512, 1024], device=DEVICE),
+        [512, 512],
         window,
         4,
         pooling,

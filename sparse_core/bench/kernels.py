@@ -230,10 +230,10 @@ def _selection_mismatch(lens: list[int], budget: int) -> float:
     scale = 64**-0.5
     _, lse = tk.prefill_attention(q, k, v, cu, scale, max(lens))
     bounds = list(itertools.pairwise(cu.tolist()))
-    prompts = PromptBatch.from_bounds(bounds, q.device)
+    prompts = PromptBatch.from_bounds(bounds, [budget] * len(bounds), q.device)
     snapkv = SparsityConfig(policy="snapkv", budget=budget)
-    got = selection_policy(snapkv, get_ops(q.device)).select(q, k, lse, prompts, budget, scale)
-    want = selection_policy(snapkv, REFERENCE_OPS).select(q, k, None, prompts, budget, scale)
+    got = selection_policy(snapkv, get_ops(q.device)).select(q, k, lse, prompts, scale)
+    want = selection_policy(snapkv, REFERENCE_OPS).select(q, k, None, prompts, scale)
 
     def kept(rows: torch.Tensor) -> torch.Tensor:  # [Hkv, packed keys], True where kept
         mask = torch.zeros(rows.shape[0], k.shape[0], dtype=torch.bool, device=rows.device)

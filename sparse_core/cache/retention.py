@@ -7,8 +7,9 @@ model runner (which prompts a step compresses) ask instead of deriving it:
 
 - at admission the group holds the prefill whole while it runs in chunks (the last chunk scores
   every token), and only its kept tokens for a whole prefill (compressed as it is written);
-- after the prefill's last token it keeps LayerGroup.kept_tokens of them (min(n, budget); all n
-  in a whole group), then one more for every token fed after it (generated or forced);
+- after the prefill's last token it keeps LayerGroup.kept_tokens of them (min(n, budget), or a
+  ratio-th of n for calibrated budgets; all n in a whole group), then one more for every token
+  fed after it (generated or forced);
 - its peak is the larger of the two.
 
 `KVRetention.build` makes them once, from the model, engine and sparsity configs and the model's
@@ -104,7 +105,7 @@ class KVRetention:
         model's, which the cache takes unless kv_cache_dtype is FP8. Under tensor parallelism a
         rank caches its share of the KV heads."""
         assert config.block_size is not None, "EngineConfig.on_device fills block_size"
-        plan = plan_layers(sparsity, model.num_hidden_layers, model.name, config.expected_input_len)
+        plan = plan_layers(sparsity, model.num_hidden_layers, model.name)
         kv_dtype = FP8_DTYPE if config.fp8_kv_cache else dtype
         kv_heads = model.num_key_value_heads // config.tensor_parallel_size
         per_layer = 2 * kv_heads * model.head_dim * kv_dtype.itemsize

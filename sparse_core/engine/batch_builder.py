@@ -38,8 +38,9 @@ class PrefillBatch:
     max_seqlen: int
     slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
     # Per group, the prompts it compresses in this step: their bounds among the packed keys,
-    # where their window queries end, and where their kept tokens go.
+    # the tokens each keeps, where their window queries end, and where their kept tokens go.
     compress_bounds: list[list[tuple[int, int]]]
+    compress_kept: list[list[int]]
     compress_query_ends: list[list[int]]
     compress_slots: list[list[int]]
     cached: CachedChunks | None = None  # when the step continues chunked prompts
@@ -94,6 +95,7 @@ class BatchBuilder:
         num_groups = len(self.retention.groups)
         slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_kept: list[list[int]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         cached = CachedChunks([0], [], [], [[] for _ in range(num_groups)])
@@ -115,10 +117,12 @@ class BatchBuilder:
                 else:
                     slot_mappings[g] += [-1] * (end - first)
                 if end == n and group.compresses(n):
+                    kept = group.tokens_after_prefill(n)
                     compress_bounds[g].append((k_start, k_start + n))
+                    compress_kept[g].append(kept)
                     compress_query_ends[g].append(len(input_ids))
                     kept_table = seq.kept_tables[g] or seq.block_tables[g]
-                    compress_slots[g] += self._slots(kept_table, group.tokens_after_prefill(n))
+                    compress_slots[g] += self._slots(kept_table, kept)
         return PrefillBatch(
             input_ids,
             positions,
@@ -126,6 +130,7 @@ class BatchBuilder:
             max(seq.num_scheduled_tokens for seq in seqs),
             slot_mappings,
             compress_bounds,
+            compress_kept,
             compress_query_ends,
             compress_slots,
             cached if cached.cached_rows else None,

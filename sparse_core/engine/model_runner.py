@@ -234,15 +234,16 @@ class ModelRunner:
             PrefillGroupMetadata(
                 slot_mapping=self._tensor(slots),
                 compress=CompressJobs(
-                    PromptBatch.from_bounds(bounds, self.device, query_ends),
+                    PromptBatch.from_bounds(bounds, kept, self.device, query_ends),
                     self._tensor(kept_slots),
                 ),
                 cached_slots=None if cached is None else self._tensor(cached.cached_slots[g]),
             )
-            for g, (slots, bounds, query_ends, kept_slots) in enumerate(
+            for g, (slots, bounds, kept, query_ends, kept_slots) in enumerate(
                 zip(
                     batch.slot_mappings,
                     batch.compress_bounds,
+                    batch.compress_kept,
                     batch.compress_query_ends,
                     batch.compress_slots,
                     strict=True,
@@ -328,15 +329,18 @@ class ModelRunner:
                 cached_slots=[[0] * context for _ in range(num_groups)],
             )
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
+        compress_kept: list[list[int]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
         compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
         for g, group in enumerate(self.retention.groups):
             for start, end in itertools.pairwise(cu_seqlens):
                 num_keys = context + end - start  # context: only with a single prompt
                 if group.compresses(num_keys):
+                    kept = group.tokens_after_prefill(num_keys)
                     compress_bounds[g].append((start, start + num_keys))
+                    compress_kept[g].append(kept)
                     compress_query_ends[g].append(end)
-                    compress_slots[g] += [-1] * group.tokens_after_prefill(num_keys)
+                    compress_slots[g] += [-1] * kept
         prefill = PrefillBatch(
             input_ids=torch.randint(0, cfg.vocab_size, (total,)).tolist(),
             positions=[context + p for n in lens for p in range(n)],
@@ -344,6 +348,7 @@ class ModelRunner:
             max_seqlen=max(lens),
             slot_mappings=[[-1] * total for _ in range(num_groups)],
             compress_bounds=compress_bounds,
+            compress_kept=compress_kept,
             compress_query_ends=compress_query_ends,
             compress_slots=compress_slots,
             cached=cached,

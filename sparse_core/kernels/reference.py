@@ -186,7 +186,8 @@ def select_kept_rows(
     scores: list[torch.Tensor],
     scored_lens: torch.Tensor,
     starts: torch.Tensor,
-    budget: int,
+    kept_offsets: torch.Tensor,
+    kept: list[int],
     window: int,
     sinks: int,
     pooling: str,
@@ -195,11 +196,13 @@ def select_kept_rows(
     """Pool, then keep sinks + window + the best of the rest, for several prompts at once.
 
     scores: per prompt, float32 [Hkv, n_j - window] (its non-window tokens); scored_lens [S] the
-    same lengths on the device; starts [S] each prompt's first row among the packed keys. Returns
-    int64 [Hkv, S * budget]: prompt j's kept rows (its token indices + starts[j]), ascending, in
-    columns [j * budget, (j + 1) * budget). The batched twin of `pool_scores` +
-    `select_top_tokens` (their test oracle): prompts of different lengths are padded, and padding
-    takes part in nothing. Ties go to the earlier token, as in `top_indices`.
+    same lengths on the device; starts [S] each prompt's first row among the packed keys;
+    kept: the tokens prompt j keeps (each fewer than n_j), and kept_offsets [S + 1] their
+    running sums on the device. Returns int64 [Hkv, sum(kept)]: prompt j's kept rows (its token
+    indices + starts[j]), ascending, in the columns from kept_offsets[j]. The batched twin of
+    `pool_scores` + `select_top_tokens` (their test oracle): prompts of different lengths are
+    padded, and padding takes part in nothing. Ties go to the earlier token, as in
+    `top_indices`.
     """
     num_kv, device = scores[0].shape[0], scores[0].device
     padded = pad_scores(scores)
@@ -208,7 +211,11 @@ def select_kept_rows(
     pooled = _pool_padded(padded, scored, pooling, kernel_size)
     selectable = scored & (index >= sinks)
     pooled = pooled.masked_fill(~selectable.unsqueeze(1), float("-inf"))
-    top = top_indices(pooled, budget - window - sinks)
+    num_top = max(kept) - window - sinks
+    # The best of every prompt, by score; prompt j takes its first kept_j - window - sinks.
+    top = top_indices(pooled, num_top)
+    taken = torch.arange(num_top, device=device) < (kept_offsets.diff() - window - sinks)[:, None]
+    top = top.masked_fill(~taken.unsqueeze(1), torch.iinfo(torch.int64).max)  # sorted last
     forced = torch.cat(
         [
             torch.arange(sinks, device=device).expand(len(scores), -1),
@@ -216,8 +223,8 @@ def select_kept_rows(
         ],
         dim=1,
     )
-    kept = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
-    return rows_by_head(kept.sort(dim=-1).values, starts)
+    chosen = torch.cat([forced.unsqueeze(1).expand(-1, num_kv, -1), top], dim=-1)
+    return ragged_rows(chosen.sort(dim=-1).values, kept_offsets, sum(kept), starts)
 
 
 def pad_scores(scores: list[torch.Tensor]) -> torch.Tensor:
@@ -230,11 +237,19 @@ def pad_scores(scores: list[torch.Tensor]) -> torch.Tensor:
     return padded
 
 
-def rows_by_head(kept: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """Kept token indices [S, Hkv, budget] of S packed prompts -> their rows among the packed
-    keys, per KV head: [Hkv, S * budget], prompt j in columns [j * budget, (j + 1) * budget)."""
-    rows = kept + starts.view(-1, 1, 1)
-    return rows.permute(1, 0, 2).reshape(kept.shape[1], -1)
+def ragged_rows(
+    kept: torch.Tensor, kept_offsets: torch.Tensor, total: int, starts: torch.Tensor
+) -> torch.Tensor:
+    """Kept token indices [S, Hkv, B] of S packed prompts, prompt j's in its first
+    kept_offsets[j + 1] - kept_offsets[j] columns -> their rows among the packed keys, per KV
+    head: [Hkv, total], prompt j's in the columns from kept_offsets[j]. Without a device sync:
+    `total` (the last offset) comes from the host."""
+    counts = kept_offsets.diff()
+    prompt = torch.repeat_interleave(
+        torch.arange(len(counts), device=kept.device), counts, output_size=total
+    )
+    column = torch.arange(total, device=kept.device) - kept_offsets[prompt]
+    return kept.transpose(0, 1)[:, prompt, column] + starts[prompt]
 
 
 def _pool_padded(scores: torch.Tensor, valid: torch.Tensor, pooling: str, kernel_size: int):

@@ -992,17 +992,18 @@ def _order_keys(pooled, selectable):
     return tl.where(selectable, keys, 0)
 
 
-# budget, window and sinks are arguments, not constexprs: layer groups of different budgets
-# (pyramid) share one compiled kernel.
+# window and sinks are arguments, not constexprs, and each prompt's budget is read from memory:
+# layer groups and prompts of different budgets share one compiled kernel.
 @triton.jit(
     do_not_specialize=[
-        "stride_sp", "stride_sh", "stride_kp", "stride_kh", "stride_oh", "budget", "window", "sinks"
+        "stride_sp", "stride_sh", "stride_kp", "stride_kh", "stride_oh", "window", "sinks"
     ]
 )  # fmt: skip
 def _select_kept_kernel(
     scores_ptr,
     scored_lens_ptr,
     starts_ptr,
+    kept_offsets_ptr,
     keys_ptr,
     out_ptr,
     stride_sp,
@@ -1010,7 +1011,6 @@ def _select_kept_kernel(
     stride_kp,
     stride_kh,
     stride_oh,
-    budget,
     window,
     sinks,
     POOLING: tl.constexpr,  # 0 none, 1 avg, 2 max
@@ -1019,7 +1019,8 @@ def _select_kept_kernel(
     WINDOW_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per (prompt, KV head): its kept rows, ascending, into out[head, prompt].
+    """One program per (prompt, KV head): its `budget` kept rows (the difference of its kept
+    offsets), ascending, into out[head] from its first offset.
 
     1. Pool the scores (as `reference.select_kept_rows`: over real tokens only) into a row of
        order-preserving uint32 keys, sinks and padding set to 0.
@@ -1033,9 +1034,11 @@ def _select_kept_kernel(
     head = tl.program_id(1)
     num_scored = tl.load(scored_lens_ptr + prompt)
     start = tl.load(starts_ptr + prompt)
+    first_kept = tl.load(kept_offsets_ptr + prompt)
+    budget = (tl.load(kept_offsets_ptr + prompt + 1) - first_kept).to(tl.int32)
     scores = scores_ptr + prompt * stride_sp + head * stride_sh
     keys_row = keys_ptr + prompt * stride_kp + head * stride_kh
-    out = out_ptr + head * stride_oh + prompt * budget
+    out = out_ptr + head * stride_oh + first_kept
     offs = tl.arange(0, BLOCK)
 
     for first in range(0, num_scored, BLOCK):
@@ -1106,15 +1109,17 @@ def select_kept_rows(
     scores: list[torch.Tensor],
     scored_lens: torch.Tensor,
     starts: torch.Tensor,
-    budget: int,
+    kept_offsets: torch.Tensor,
+    kept: list[int],
     window: int,
     sinks: int,
     pooling: str,
     kernel_size: int,
 ) -> torch.Tensor:
-    """Kept rows per KV head, int64 [Hkv, S * budget]; see `reference.select_kept_rows`.
+    """Kept rows per KV head, int64 [Hkv, sum(kept)]; see `reference.select_kept_rows`.
 
-    scores: per prompt float32 [Hkv, n_j - window]; scored_lens [S] and starts [S] int64.
+    scores: per prompt float32 [Hkv, n_j - window]; scored_lens [S], starts [S] and
+    kept_offsets [S + 1] int64.
     """
     if pooling not in _POOLING:
         raise ValueError(f"unknown pooling {pooling!r}; expected 'avg', 'max' or 'none'")
@@ -1122,18 +1127,18 @@ def select_kept_rows(
     padded = reference.pad_scores(scores)  # the kernel reads no row past its prompt's length
     assert padded.stride(-1) == 1 and starts.dtype == torch.int64
     # The kernel reads prompt j's values at offset j: strided views would be read wrong.
-    assert starts.is_contiguous() and scored_lens.is_contiguous(), (
-        "starts and scored_lens must be contiguous"
-    )
+    assert (
+        starts.is_contiguous() and scored_lens.is_contiguous() and kept_offsets.is_contiguous()
+    ), "starts, scored_lens and kept_offsets must be contiguous"
     keys = torch.empty(padded.shape, dtype=torch.int32, device=device)
-    out = torch.empty(num_kv, len(scores) * budget, dtype=torch.int64, device=device)
+    out = torch.empty(num_kv, sum(kept), dtype=torch.int64, device=device)
     # 1,024 keys per tile: a 4,000-token prompt in 4 tiles per pass; the interpreter gets 16.
     block = 1024 if padded.is_cuda else 16
     launch(
         _select_kept_kernel, (len(scores), num_kv),
-        padded, scored_lens, starts, keys, out,
+        padded, scored_lens, starts, kept_offsets, keys, out,
         padded.stride(0), padded.stride(1), keys.stride(0), keys.stride(1), out.stride(0),
-        budget, window, sinks,
+        window, sinks,
         POOLING=_POOLING[pooling] if kernel_size > 1 else 0, KERNEL_SIZE=kernel_size,
         SINKS_BLOCK=triton.next_power_of_2(max(sinks, 1)),
         WINDOW_BLOCK=triton.next_power_of_2(max(window, 1)),

@@ -18,7 +18,7 @@ class CompressJobs:
     """The prompts of a prefill step that a sparse layer group stores compressed."""
 
     prompts: PromptBatch
-    kept_slots: torch.Tensor  # [len(prompts.bounds) * budget]: where each prompt's kept tokens go
+    kept_slots: torch.Tensor  # [sum(prompts.kept)]: where each prompt's kept tokens go
 
     def __bool__(self) -> bool:
         return bool(self.prompts.bounds)
@@ -124,20 +124,18 @@ class PagedAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         group: int,
-        budget: int | None,
         ops: KernelOps,
         rotary: RotaryEmbedding,
     ) -> None:
-        """num_heads / num_kv_heads: this rank's heads; group: the layer's layer group, which
-        keeps `budget` tokens of a prompt (None: all); rotary: the model's RoPE tables, applied
-        to q and k as they are stored."""
+        """num_heads / num_kv_heads: this rank's heads; group: the layer's layer group (the
+        step's metadata says which prompts it compresses, to how many tokens); rotary: the
+        model's RoPE tables, applied to q and k as they are stored."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.group = group
-        self.budget = budget
         self.ops = ops
         self.rotary = rotary
         self.k_cache = torch.empty(0)
@@ -210,10 +208,8 @@ class PagedAttention(nn.Module):
             out=out,
         )  # fmt: skip
         if group.compress:
-            assert meta.selection is not None and self.budget is not None
-            kept_rows = meta.selection.select(
-                q, k, lse, group.compress.prompts, self.budget, self.scale
-            )
+            assert meta.selection is not None
+            kept_rows = meta.selection.select(q, k, lse, group.compress.prompts, self.scale)
             ops.store_selected_kv(
                 k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots,
                 self.kv_scales,

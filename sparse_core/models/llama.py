@@ -181,7 +181,6 @@ class LlamaForCausalLM(nn.Module):
                 local_kv,
                 config.head_dim,
                 group=plan.layer_to_group[i],
-                budget=plan.groups[plan.layer_to_group[i]].budget,
                 ops=ops,
                 rotary=rotary,
             )

@@ -30,7 +30,7 @@ def run_suite_vllm(
             sparsity = config.sparsity(
                 length, model.num_hidden_layers, model.name, settings.window, settings.sinks
             )
-            plan = plan_layers(sparsity, model.num_hidden_layers, model.name, length)
+            plan = plan_layers(sparsity, model.num_hidden_layers, model.name).at_length(length)
             args = {"max_model_len": length + 64, **(engine_args or {})}
             with vllm_llm(settings.model, sparsity, length, **args) as llm:
                 prompts = [TokensPrompt(prompt_token_ids=s.prompt_ids) for s in group]

@@ -142,8 +142,9 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
             out[rows] = prefill_out.to(out.dtype)
             if m.compress_bounds:
                 assert self.selection is not None and m.budget is not None
-                prompts = PromptBatch.from_bounds(m.compress_bounds, query.device)
-                kept = self.selection.select(qp, kp, lse, prompts, m.budget, self.scale)
+                budgets = [m.budget] * len(m.compress_bounds)
+                prompts = PromptBatch.from_bounds(m.compress_bounds, budgets, query.device)
+                kept = self.selection.select(qp, kp, lse, prompts, self.scale)
                 ops.store_selected_kv(kp, vp, kept, k_cache, v_cache, m.kept_slots, scales)
         if m.num_decodes:
             rows = m.decode_tokens

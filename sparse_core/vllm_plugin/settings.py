@@ -31,12 +31,12 @@ class PluginSettings:
 
     def layer_plan(self, num_layers: int, model_path: str) -> LayerPlan:
         name = self.model_name or Path(model_path).name
-        return plan_layers(self.sparsity, num_layers, name, self.expected_input_len)
+        return plan_layers(self.sparsity, num_layers, name).at_length(self.expected_input_len)
 
     def compresses(self, model_config: Any) -> bool:
         """Whether any layer of vLLM's model (its `model_config`) keeps a budget."""
         plan = self.layer_plan(model_config.hf_text_config.num_hidden_layers, model_config.model)
-        return any(group.budget is not None for group in plan.groups)
+        return plan.compresses
 
 
 def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
