@@ -227,6 +227,7 @@ def build_app(
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
                         return_token_ids=req.return_token_ids,
+                        logprobs=req.num_logprobs,
                         **prompt,
                     )
                 )
@@ -245,6 +246,7 @@ def build_app(
             choice.prompt_tokens = chunk.prompt_tokens
             choice.cached_tokens = chunk.cached_tokens
             choice.token_ids += chunk.token_ids
+            choice.logprobs += chunk.logprobs
             if chunk.prompt_token_ids is not None:
                 choice.prompt_token_ids = chunk.prompt_token_ids
             if chunk.finish_reason is not None:
@@ -295,18 +297,16 @@ def build_app(
         authorize(request)
         req = parse(CompletionRequest, await read_body(request))
         prompts = [{"prompt": p} for p in req.prompts()]
-        return await generate(
-            request, req, prompts, req.max_tokens, CompletionFormat(req.model, req.return_token_ids)
-        )
+        fmt = CompletionFormat(req.model, req.return_token_ids, req.num_logprobs is not None)
+        return await generate(request, req, prompts, req.max_tokens, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         authorize(request)
         req = parse(ChatCompletionRequest, await read_body(request))
         prompts = [{"messages": req.template_messages()}]
-        return await generate(
-            request, req, prompts, req.max_new_tokens, ChatFormat(req.model, req.return_token_ids)
-        )
+        fmt = ChatFormat(req.model, req.return_token_ids, req.num_logprobs is not None)
+        return await generate(request, req, prompts, req.max_new_tokens, fmt)
 
     cards = {
         name: {

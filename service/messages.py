@@ -27,6 +27,19 @@ class GenerateRequest:
     frequency_penalty: float = 0.0
     # vLLM's `return_token_ids`: chunks carry the token ids (the prompt's in the first).
     return_token_ids: bool = False
+    # vLLM's `logprobs`: chunks carry each new token's logprob and the `logprobs` most likely
+    # tokens' (0: the token's only); None: no logprobs.
+    logprobs: int | None = None
+
+
+@dataclass
+class TextLogprobs:
+    """A generated token's text and logprob, and `top`: the most likely tokens' (text,
+    logprob) at its position, most likely first."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
 
 
 @dataclass
@@ -44,6 +57,8 @@ class Chunk:
     # the first chunk that carries tokens.
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    # With GenerateRequest.logprobs set: the new tokens' logprobs.
+    logprobs: list[TextLogprobs] = field(default_factory=list)
 
     def then(self, later: Chunk) -> Chunk:
         """This chunk and the one after it, as one."""
@@ -56,6 +71,7 @@ class Chunk:
             later.cached_tokens,
             self.token_ids + later.token_ids,
             self.prompt_token_ids if self.prompt_token_ids is not None else later.prompt_token_ids,
+            self.logprobs + later.logprobs,
         )
 
 

@@ -1,8 +1,8 @@
 """OpenAI request bodies (parsed strictly: a string is not a number) and the `kvsparse` extension.
 
 Unknown fields are ignored, as vLLM does; fields that would change the answer in a way we cannot
-honour (logprobs, tools, guided decoding...) are refused with 400 rather than silently dropped:
-`REFUSED` lists them with the values that change nothing, which are accepted.
+honour (prompt logprobs, tools, guided decoding...) are refused with 400 rather than silently
+dropped: `REFUSED` lists them with the values that change nothing, which are accepted.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from service.errors import APIError
 # Field -> its neutral values (accepted: they ask for nothing we do not do). Any other value is
 # a 400 naming the field. Names are OpenAI's and vLLM's.
 REFUSED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "logit_bias": (None, {}),
     "min_p": (None, 0, 0.0),
@@ -45,6 +43,7 @@ REFUSED_CHAT: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
 }
 SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as in vLLM
+MAX_LOGPROBS = 20  # top logprobs per token, as SamplingParams takes them (vLLM's max_logprobs)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -117,6 +116,12 @@ class SamplingFields(BaseModel):
                 code="unsupported_parameter",
             )
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """vLLM's `SamplingParams.logprobs`: how many top logprobs each generated token comes
+        with (0: its own only); None: no logprobs."""
+        return None
+
     def choice_seed(self, index: int) -> int | None:
         """Choice `index`'s seed: `seed + index`, wrapped into the seed's range, so that the
         `n` choices of a seeded request differ."""
@@ -138,6 +143,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(default=16, ge=1)
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("max_tokens", mode="before")
     @classmethod
@@ -150,6 +156,10 @@ class CompletionRequest(SamplingFields):
         if self.best_of not in (None, self.n):
             names.append("best_of")
         return names
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids."""
@@ -187,9 +197,14 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def check(self) -> None:
         super().check()
+        if self.top_logprobs is not None and not self.logprobs:  # as OpenAI refuses it
+            raise APIError(400, "top_logprobs is only allowed when logprobs is true",
+                           param="top_logprobs", code="invalid_value")  # fmt: skip
         for m, message in enumerate(self.messages):
             for p, part in enumerate(message.content if isinstance(message.content, list) else []):
                 where = f"messages.{m}.content.{p}"
@@ -200,6 +215,10 @@ class ChatCompletionRequest(SamplingFields):
                 if part.text is None:
                     raise APIError(400, f"{where}.text: Field required", param="messages",
                                    code="missing_required_parameter")  # fmt: skip
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:

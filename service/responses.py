@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from service.messages import Chunk
+    from service.messages import Chunk, TextLogprobs
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Choice:
     cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None
+    logprobs: list[TextLogprobs] = field(default_factory=list)
 
 
 def usage(choices: list[Choice]) -> dict[str, Any]:
@@ -55,17 +56,44 @@ class CompletionFormat:
     object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, return_token_ids: bool = False) -> None:
+    def __init__(self, model: str, return_token_ids: bool = False, logprobs: bool = False) -> None:
+        """`logprobs`: the request asked for them (the choices' `logprobs` are null otherwise)."""
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.model = model
         self.created = int(time.time())
         self.return_token_ids = return_token_ids
+        self.logprobs = logprobs
+        # Per choice of a stream: characters of the tokens whose logprobs went out.
+        self._streamed_chars: dict[int, int] = {}
 
     def _token_ids(self, token_ids: list[int], prompt_token_ids: list[int] | None) -> dict:
         """vLLM's `return_token_ids` fields of a choice, when the request asked for them."""
         if not self.return_token_ids:
             return {}
         return {"prompt_token_ids": prompt_token_ids, "token_ids": token_ids}
+
+    def _logprobs(
+        self, entries: list[TextLogprobs], streamed: int | None = None
+    ) -> dict[str, Any] | None:
+        """OpenAI's legacy completions `logprobs`, as vLLM gives them: `top_logprobs` holds the
+        most likely tokens and the chosen one, even when it is not among them; `text_offset`
+        counts the characters of the tokens before each (in a stream, of choice `streamed`'s
+        earlier chunks too)."""
+        if not self.logprobs:
+            return None
+        offset = self._streamed_chars.get(streamed, 0) if streamed is not None else 0
+        offsets = []
+        for entry in entries:
+            offsets.append(offset)
+            offset += len(entry.token)
+        if streamed is not None:
+            self._streamed_chars[streamed] = offset
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{**dict(e.top), e.token: e.logprob} for e in entries],
+            "text_offset": offsets,
+        }
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -86,7 +114,7 @@ class CompletionFormat:
                 {
                     "index": choice.index,
                     "text": chunk.text,
-                    "logprobs": None,
+                    "logprobs": self._logprobs(chunk.logprobs, choice.index),
                     "finish_reason": chunk.finish_reason,
                     **self._token_ids(chunk.token_ids, chunk.prompt_token_ids),
                 }
@@ -104,7 +132,7 @@ class CompletionFormat:
         return {
             "index": c.index,
             "text": c.text,
-            "logprobs": None,
+            "logprobs": self._logprobs(c.logprobs),
             "finish_reason": c.finish_reason,
             **self._token_ids(c.token_ids, c.prompt_token_ids),
         }
@@ -132,6 +160,19 @@ class ChatFormat(CompletionFormat):
             for c in choices
         ]
 
+    def _logprobs(
+        self, entries: list[TextLogprobs], streamed: int | None = None
+    ) -> dict[str, Any] | None:
+        """Chat's `logprobs`: the chosen token's and, in `top_logprobs`, the most likely ones'."""
+        if not self.logprobs:
+            return None
+        return {
+            "content": [
+                {**_token(e.token, e.logprob), "top_logprobs": [_token(*t) for t in e.top]}
+                for e in entries
+            ]
+        }
+
     def chunk(self, choice: Choice, chunk: Chunk) -> dict[str, Any]:
         delta = {"content": chunk.text} if chunk.text else {}
         return self._envelope(
@@ -140,7 +181,7 @@ class ChatFormat(CompletionFormat):
                 {
                     "index": choice.index,
                     "delta": delta,
-                    "logprobs": None,
+                    "logprobs": self._logprobs(chunk.logprobs, choice.index),
                     "finish_reason": chunk.finish_reason,
                     **self._token_ids(chunk.token_ids, chunk.prompt_token_ids),
                 }
@@ -154,7 +195,12 @@ class ChatFormat(CompletionFormat):
         return {
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
-            "logprobs": None,
+            "logprobs": self._logprobs(c.logprobs),
             "finish_reason": c.finish_reason,
             **self._token_ids(c.token_ids, c.prompt_token_ids),
         }
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    """A token of chat's `logprobs`, with its UTF-8 bytes (of its text, as vLLM gives them)."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}

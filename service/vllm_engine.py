@@ -114,6 +114,8 @@ class VllmAsyncLLM:
         stream starts), where our AsyncLLM queues it at once."""
         if getattr(params, "compress_prefix_len", None) is not None:
             raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
+        if params.logprobs is not None:  # not mapped from vLLM's outputs yet
+            raise ValueError("logprobs are not supported with engine 'vllm'; use engine 'native'")
         if self.dummy and params.stop:
             raise ValueError("stop strings need vLLM's tokenizer, which a dummy model has not")
         params.verify(self.vocab_size)

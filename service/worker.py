@@ -14,17 +14,19 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from service.errors import APIError
-from service.messages import Chunk, GenerateRequest, RoutingStats
+from service.messages import Chunk, GenerateRequest, RoutingStats, TextLogprobs
 from service.metrics import MetricsRecorder
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.async_engine import AsyncLLM
-from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 from sparse_core.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 ENGINES = ("native", "vllm")
+# What a logprob of -inf is written as, as vLLM writes it (JSON has no infinity).
+MIN_LOGPROB = -9999.0
 
 
 class EngineWorker:
@@ -110,6 +112,7 @@ class EngineWorker:
                         last_token_time = now
                     new_ids = list(out.token_ids[sent_tokens:]) if ids else []
                     prompt_out = list(prompt_ids) if ids and sent_tokens == 0 else None
+                    logprobs = self._text_logprobs((out.logprobs or [])[sent_tokens:])
                     sent_tokens = len(out.token_ids)
                     end = len(out.text) if out.finished else max(sent_chars, len(out.text) - hold)
                     text, sent_chars = out.text[sent_chars:end], end
@@ -123,11 +126,12 @@ class EngineWorker:
                         )
                         self.metrics.finished(reason, now - arrival, out.compression_ratio, tpot)
                         yield Chunk(text, sent_tokens, n_prompt, reason, out.compression_ratio,
-                                    cached, new_ids, prompt_out)  # fmt: skip
+                                    cached, new_ids, prompt_out, logprobs)  # fmt: skip
                         return
                     if new_tokens > 0:  # one chunk per step, like OpenAI's chunk per token
                         yield Chunk(text, sent_tokens, n_prompt, cached_tokens=cached,
-                                    token_ids=new_ids, prompt_token_ids=prompt_out)  # fmt: skip
+                                    token_ids=new_ids, prompt_token_ids=prompt_out,
+                                    logprobs=logprobs)  # fmt: skip
         except Exception as exc:
             reason = "error"
             logger.warning("request %s failed: %s", req.request_id, exc)
@@ -138,6 +142,21 @@ class EngineWorker:
             elif reason == "error":
                 self.metrics.failed()
             self.metrics.engine_state(self.llm.stats())
+
+    def _text_logprobs(self, entries: list[TokenLogprobs]) -> list[TextLogprobs]:
+        """The logprobs with their tokens' text (`Tokenizer.token_text`: each id decoded once,
+        then remembered)."""
+        text = self.llm.tokenizer.token_text
+
+        def finite(logprob: float) -> float:
+            return max(logprob, MIN_LOGPROB)
+
+        return [
+            TextLogprobs(
+                text(e.token_id), finite(e.logprob), [(text(t), finite(lp)) for t, lp in e.top]
+            )
+            for e in entries
+        ]
 
     async def _validate(
         self, req: GenerateRequest
@@ -234,6 +253,7 @@ class EngineWorker:
                 repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty,
+                logprobs=req.logprobs,
             )
         except ValueError as exc:
             raise _invalid(exc, None) from None

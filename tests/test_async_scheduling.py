@@ -51,6 +51,12 @@ def _same(a: dict, b: dict) -> None:
     for request_id in a:
         x, y = a[request_id], b[request_id]
         assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason)
+        assert (x.logprobs is None) == (y.logprobs is None)
+        for u, v in zip(x.logprobs or [], y.logprobs or [], strict=True):
+            assert (u.token_id, [t for t, _ in u.top]) == (v.token_id, [t for t, _ in v.top])
+            assert [u.logprob, *(lp for _, lp in u.top)] == pytest.approx(
+                [v.logprob, *(lp for _, lp in v.top)], abs=1e-4
+            )
 
 
 def test_stop_strings_eos_and_lengths_end_the_same(llms):
@@ -62,9 +68,11 @@ def test_stop_strings_eos_and_lengths_end_the_same(llms):
         ("eos", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0)),
         ("stop", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, stop=[stop])),
         ("short", PROMPTS[2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)),
-        ("long", PROMPTS[3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)),
-        ("seeded", PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5)),
-    ]
+        ("long", PROMPTS[3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True,
+                                            logprobs=3)),
+        ("seeded", PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=5,
+                                              presence_penalty=0.5, logprobs=0)),
+    ]  # fmt: skip
     runs = {flag: _drive(llm.engine, {0: requests}, {}) for flag, llm in llms.items()}
     _same(runs[False], runs[True])
     assert runs[True]["stop"].finish_reason == "stop" and runs[True]["short"].token_ids
@@ -75,7 +83,7 @@ def test_stop_strings_eos_and_lengths_end_the_same(llms):
 
 def test_aborts_and_arrivals_while_a_step_is_in_flight(llms):
     def params(n: int) -> SamplingParams:
-        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
 
     arrivals = {
         0: [("a", PROMPTS[0], params(30)), ("b", PROMPTS[1], params(30))],

@@ -28,7 +28,7 @@ async def final_outputs(llm: AsyncLLM, prompts: list[list[int]], params: Samplin
 
 def test_outputs_match_the_engine_on_a_thread():
     prompts = [[(i * 37 + j) % 250 + 1 for j in range(60 + 13 * i)] for i in range(5)]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=3)
     results = {}
     for engine_process in (False, True):
         llm = AsyncLLM(CONFIG, SPARSITY, engine_process=engine_process)
@@ -43,6 +43,14 @@ def test_outputs_match_the_engine_on_a_thread():
         assert in_process.finish_reason == "length"
         assert in_process.compression_ratio == on_thread.compression_ratio > 1.0
         assert in_process.kv_tokens_per_group == on_thread.kv_tokens_per_group
+        # Logprobs cross as the new tokens' only, and come out whole.
+        assert [e.token_id for e in in_process.logprobs] == in_process.token_ids
+        assert [[t for t, _ in e.top] for e in in_process.logprobs] == [
+            [t for t, _ in e.top] for e in on_thread.logprobs
+        ]
+        assert [e.logprob for e in in_process.logprobs] == pytest.approx(
+            [e.logprob for e in on_thread.logprobs], abs=1e-5
+        )
 
 
 def test_text_cut_by_a_stop_string_matches_the_engine_on_a_thread():

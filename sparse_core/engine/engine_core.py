@@ -24,7 +24,7 @@ from typing import Any
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.device import resolve_device, use_one_host_thread
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.sequence import Sequence
 
@@ -131,10 +131,11 @@ class ThreadEngineCore:
 @dataclass
 class OutputDelta:
     """A request's output after a step, as it crosses from the engine process: the new token
-    ids, and the text as the first `keep_chars` characters already sent plus `new_text` (a stop
-    string may cut text already sent); finish fields and counts as in the output."""
+    ids (and their logprobs), and the text as the first `keep_chars` characters already sent
+    plus `new_text` (a stop string may cut text already sent); finish fields and counts as in
+    the output."""
 
-    output: RequestOutput  # prompt and prompt ids left out, token_ids only the new ones
+    output: RequestOutput  # prompt and prompt ids left out, token_ids and logprobs the new ones
     keep_chars: int
     new_text: str
 
@@ -144,6 +145,7 @@ class _InFlight:
     prompt: str | None
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     text: str = ""
 
 
@@ -269,6 +271,8 @@ class ProcessEngineCore:
             return None
         request.token_ids += out.token_ids
         request.text = request.text[: delta.keep_chars] + delta.new_text
+        if out.logprobs is not None:
+            request.logprobs += out.logprobs
         if out.finished:
             del self._requests[out.request_id]
         return dataclasses.replace(
@@ -277,6 +281,7 @@ class ProcessEngineCore:
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.token_ids),
             text=request.text,
+            logprobs=None if out.logprobs is None else list(request.logprobs),
         )
 
     def is_alive(self) -> bool:
@@ -338,7 +343,12 @@ def engine_process_main(
         if not out.finished:
             sent[out.request_id] = (len(out.token_ids), len(out.text))
         output = dataclasses.replace(
-            out, prompt=None, prompt_token_ids=[], token_ids=out.token_ids[num_ids:], text=""
+            out,
+            prompt=None,
+            prompt_token_ids=[],
+            token_ids=out.token_ids[num_ids:],
+            text="",
+            logprobs=None if out.logprobs is None else out.logprobs[num_ids:],
         )
         return OutputDelta(output, keep, out.text[keep:])
 

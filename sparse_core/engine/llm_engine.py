@@ -241,6 +241,7 @@ class LLMEngine:
             if ahead is not None:
                 self._ahead = self._launch_ahead(flight, ahead)
         tokens = flight.tokens.tolist()  # waits for the device
+        logprobs = flight.tokens.logprobs()
         now = time.monotonic()
         if flight.record is not None:
             # Overlapped steps share wall time: each counts from when the one before it ended.
@@ -253,7 +254,7 @@ class LLMEngine:
             if self._step_log is not None:
                 self._step_log.write(record)
         self._last_step_end = now
-        outputs = self.output_processor.process(flight.step, tokens, flight.wanted, now)
+        outputs = self.output_processor.process(flight.step, tokens, logprobs, flight.wanted, now)
         for seq, sampled in zip(flight.step.seqs, flight.wanted, strict=True):
             seq.suspect &= not sampled  # a step of its own sampled it: not the cause
         return outputs

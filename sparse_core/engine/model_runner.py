@@ -26,7 +26,7 @@ from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.device import resolve_device, resolve_dtype
 from sparse_core.engine.gpu_memory import limit_allocator
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
-from sparse_core.engine.sampler import sample
+from sparse_core.engine.sampler import sample, sampled_logprobs
 from sparse_core.engine.scheduler import ScheduledStep
 from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
@@ -178,10 +178,12 @@ class ModelRunner:
         wanted: list[bool],
         decode_input_ids: torch.Tensor | None = None,
     ) -> PendingTokens:
-        """Queue the choice of every sequence's next token, in `step.seqs` order; rows not
-        `wanted` (a forced token's or an early chunk's prediction) draw nothing.
-        `decode_input_ids` as for `launch`: outputs not appended yet, which penalties count."""
-        return PendingTokens(sample(logits, step.seqs, self.generator, wanted, decode_input_ids))
+        """Queue the choice of every sequence's next token, in `step.seqs` order, and the logprobs
+        of the rows that ask for them; rows not `wanted` (a forced token's or an early chunk's
+        prediction) draw nothing. `decode_input_ids` as for `launch`: outputs not appended yet,
+        which penalties count."""
+        tokens = sample(logits, step.seqs, self.generator, wanted, decode_input_ids)
+        return PendingTokens(tokens, sampled_logprobs(logits, tokens, step.seqs, wanted))
 
     @every_rank
     @torch.inference_mode()

@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
-from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from sparse_core.engine.scheduler import ScheduledStep, Scheduler
@@ -41,19 +41,28 @@ class OutputProcessor:
         self._detokenizers[seq.request_id] = IncrementalDetokenizer(self.tokenizer)
 
     def process(
-        self, step: ScheduledStep, tokens: list[int], wanted: list[bool], now: float
+        self,
+        step: ScheduledStep,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        wanted: list[bool],
+        now: float,
     ) -> list[RequestOutput]:
-        """The outputs of a step read back at `now`: `tokens` and `wanted` per row, in
-        `step.seqs` order; rows not wanted (a forced token's or an early chunk's prediction)
-        give none."""
+        """The outputs of a step read back at `now`: `tokens`, `logprobs` (None for rows that
+        did not ask) and `wanted` per row, in `step.seqs` order; rows not wanted (a forced
+        token's or an early chunk's prediction) give none."""
         outputs = []
-        for seq, token, sampled in zip(step.seqs, tokens, wanted, strict=True):
+        for seq, token, token_logprobs, sampled in zip(
+            step.seqs, tokens, logprobs, wanted, strict=True
+        ):
             # Finished: aborted, or ended by the step before, while this one ran.
             if not sampled or seq.is_finished:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             seq.output_token_ids.append(token)
+            if token_logprobs is not None:
+                seq.output_logprobs.append(token_logprobs)
             reason = self._append_text(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
@@ -113,4 +122,5 @@ class OutputProcessor:
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=seq.arrival_time,
             first_token_time=seq.first_token_time,
+            logprobs=None if seq.params.logprobs is None else list(seq.output_logprobs),
         )

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprobs:
+    """A generated token's log-probability (`SamplingParams.logprobs`), and `top`: the
+    (token id, logprob) of the most likely tokens at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class RequestOutput:
     """A request's state after a step (streaming) or at the end.
 
@@ -14,7 +24,8 @@ class RequestOutput:
     the end (the prompt's kept ones and every token fed after them: the generated ones but the
     last; with async scheduling, one more where the step launched ahead had taken its slot;
     empty for a request that ended while not running); `compression_ratio` is prompt
-    token-layers over kept token-layers (1.0 when dense).
+    token-layers over kept token-layers (1.0 when dense). `logprobs`, when the request asked
+    for them: one entry per generated token, as `token_ids`.
     """
 
     request_id: str
@@ -33,3 +44,4 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[TokenLogprobs] | None = None

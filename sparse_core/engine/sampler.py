@@ -7,6 +7,11 @@ the request has a `seed` (so its output does not depend on what else is in the b
 the engine's otherwise. The rest is a few batched ops on the device, whose result stays there
 until the engine asks for it: copying each row of a large vocabulary to the host to sample it
 there costs many decode steps' time (docs/benchmarks.md, "Engine internals").
+
+Logprobs (`SamplingParams.logprobs`) are those of the model's raw output: the log-softmax of the
+logits in float32, before penalties, `min_tokens` bans, temperature, top-k and top-p, as vLLM
+returns them by default (`logprobs_mode="raw_logprobs"`). `sampled_logprobs` computes them on the
+device, batched over the rows that ask (a step with none does nothing more).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from sparse_core.engine.sequence import Sequence
-from sparse_core.engine.transfers import to_device
+from sparse_core.engine.transfers import SampledLogprobs, to_device
 
 
 def sample(
@@ -54,6 +59,22 @@ def sample(
             uniforms=settings[2],
         )
     return tokens
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], wanted: list[bool]
+) -> SampledLogprobs | None:
+    """The logprobs of the sampled `tokens` [B] and of the most likely tokens, for the wanted
+    rows that ask for them, from the raw `logits` [B, V]; None (and no work) when none asks."""
+    rows = [r for r, seq in enumerate(seqs) if wanted[r] and seq.params.logprobs is not None]
+    if not rows:
+        return None
+    num_top = [seqs[r].params.logprobs or 0 for r in rows]
+    index = to_device(rows, torch.int64, logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    top = logprobs.topk(max(num_top), dim=-1)
+    values = torch.cat([logprobs.gather(1, tokens[index, None]), top.values], dim=1)
+    return SampledLogprobs(rows, num_top, values, top.indices)
 
 
 def _adjusted(

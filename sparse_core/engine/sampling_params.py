@@ -13,6 +13,8 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 MAX_STOP_TOKEN_IDS = 1024
+# The most top logprobs a request may ask for per token (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -31,6 +33,12 @@ class SamplingParams:
     from each token that occurs in the output, `frequency_penalty` once per occurrence (both in
     [-2, 2], positive discourages). `min_tokens`: before that many tokens are generated, EOS and
     `stop_token_ids` cannot be sampled and stop strings do not end the request.
+
+    `logprobs` (vLLM's): return each generated token's log-probability and those of the
+    `logprobs` most likely tokens at its position (0: the generated token's only; at most
+    MAX_LOGPROBS); None returns none. They are those of the model's raw output, before
+    penalties, `min_tokens` bans, temperature, top-k and top-p, as vLLM's default
+    (`logprobs_mode="raw_logprobs"`) returns them.
     """
 
     max_tokens: int = 16
@@ -46,6 +54,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None
     # The model's EOS ids, set by the engine when it accepts the request (min_tokens bans them).
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -82,6 +91,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._check_stops()
         n = self.compress_prefix_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_core.engine.outputs import TokenLogprobs
 from sparse_core.engine.sampling_params import SamplingParams
 
 
@@ -57,6 +58,8 @@ class Sequence:
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     text: str = ""  # detokenised output, stop strings removed
+    # One per output token, when the request asks for logprobs (`SamplingParams.logprobs`).
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reset_cache_state()

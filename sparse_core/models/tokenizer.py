@@ -26,6 +26,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(eos_token_ids)
         self.source = source
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_gguf(cls, path: Path, eos_token_ids: list[int]) -> Tokenizer:
@@ -69,6 +70,19 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend().decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs name it, as vLLM does: the token decoded alone, special
+        tokens included (a piece of a multi-byte character is U+FFFD); without a tokenizer,
+        `token_id:<id>`. Remembered per id."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            try:
+                text = self.decode([token_id], skip_special_tokens=False)
+            except ValueError:  # no tokenizer files
+                text = f"token_id:{token_id}"
+            self._token_texts[token_id] = text
+        return text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.has_chat_template:

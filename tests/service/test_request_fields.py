@@ -16,7 +16,7 @@ from tests.service.servers import MODEL
 
 DOCS = Path(__file__).parents[2] / "docs" / "serving.md"
 # A value that asks for something, per refused field.
-ASKING = {"logprobs": True, "top_logprobs": 2, "prompt_logprobs": 1, "logit_bias": {"1": 5},
+ASKING = {"prompt_logprobs": 1, "logit_bias": {"1": 5},
           "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
           "allowed_token_ids": [1, 2], "bad_words": ["no"], "include_stop_str_in_output": True,
           "skip_special_tokens": False, "spaces_between_special_tokens": False,
@@ -56,8 +56,6 @@ def test_every_refused_field_is_a_400_naming_it_and_its_neutral_values_pass(real
     for i in range(max(map(len, refused.values()))):  # every field at a neutral value at once
         neutral = {name: values[min(i, len(values) - 1)] for name, values in refused.items()}
         assert post(real_server, path, {**base, **neutral}).status_code == 200, neutral
-    # 0 is not False: completions' logprobs 0 asks for the chosen token's logprob.
-    assert post(real_server, path, {**base, "logprobs": 0}).status_code == 400
 
 
 def test_the_docs_list_the_refused_fields_the_code_refuses():
@@ -74,16 +72,40 @@ def test_the_docs_list_the_refused_fields_the_code_refuses():
      ({**COMPLETION, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
      ({**COMPLETION, "repetition_penalty": 0}, "repetition_penalty"),
      ({**COMPLETION, "presence_penalty": 2.5}, "presence_penalty"),
-     ({**CHAT, "frequency_penalty": -3}, "frequency_penalty")],
+     ({**CHAT, "frequency_penalty": -3}, "frequency_penalty"),
+     ({**COMPLETION, "logprobs": 21}, "logprobs"), ({**COMPLETION, "logprobs": -1}, "logprobs"),
+     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+     ({**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+     # top_logprobs only with logprobs true, as OpenAI takes it.
+     ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+     ({**CHAT, "logprobs": False, "top_logprobs": 0}, "top_logprobs")],
 )  # fmt: skip
 def test_values_out_of_range_name_their_field(real_server, body, param):
+    check_400(real_server, body, param, "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({**COMPLETION, "logprobs": True}, "logprobs"), ({**COMPLETION, "logprobs": "2"}, "logprobs"),
+     ({**COMPLETION, "logprobs": 2.0}, "logprobs"), ({**CHAT, "logprobs": 1}, "logprobs"),
+     ({**CHAT, "logprobs": True, "top_logprobs": "2"}, "top_logprobs")],
+)  # fmt: skip
+def test_logprobs_of_the_wrong_type_name_their_field(real_server, body, param):
+    check_400(real_server, body, param, "invalid_type")
+
+
+def test_prompt_logprobs_stay_refused_with_logprobs(real_server):
+    """The prompt's logprobs (`echo` with `logprobs`, `prompt_logprobs`) are not computed."""
+    for name, value in (("echo", True), ("prompt_logprobs", 1)):
+        body = {**COMPLETION, "logprobs": 2, name: value}
+        check_400(real_server, body, name, "unsupported_parameter")
+
+
+def check_400(server, body: dict, param: str, code: str) -> None:
     path = "/chat/completions" if "messages" in body else "/completions"
-    response = post(real_server, path, body)
+    response = post(server, path, body)
     assert response.status_code == 400, response.text
-    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (
-        param,
-        "invalid_value",
-    )
+    assert (response.json()["error"]["param"], response.json()["error"]["code"]) == (param, code)
 
 
 def test_the_largest_seed_with_n_choices_is_served(client):

@@ -26,7 +26,7 @@ MAX_INFLIGHT = 16  # below CLIENTS: some requests find the server full (429)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIME_LIMIT_S + 300)]
 BAD = [{"prompt": "x", "max_tokens": "5"}, {"prompt": "x", "max_tokens": 0},
        {"prompt": "", "max_tokens": 2}, {"prompt": [10**9], "max_tokens": 2},
-       {"prompt": "x", "seed": 2**64}, {"prompt": "x", "logprobs": 2},
+       {"prompt": "x", "seed": 2**64}, {"prompt": "x", "logprobs": 21},
        {"prompt": "x", "model": "gpt-4"}, {"prompt": "x" * 200_000, "max_tokens": 2}]  # fmt: skip
 
 
