@@ -20,7 +20,7 @@ from typing import Any
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.llm_engine import EngineStats
-from sparse_core.engine.outputs import RequestOutput
+from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.models.loader import load_model_source
 from sparse_core.models.tokenizer import ByteTokenizer, Tokenizer
@@ -114,8 +114,6 @@ class VllmAsyncLLM:
         stream starts), where our AsyncLLM queues it at once."""
         if getattr(params, "compress_prefix_len", None) is not None:
             raise ValueError("compress_prefix_len is not supported with engine 'vllm'")
-        if params.logprobs is not None:  # not mapped from vLLM's outputs yet
-            raise ValueError("logprobs are not supported with engine 'vllm'; use engine 'native'")
         if self.dummy and params.stop:
             raise ValueError("stop strings need vLLM's tokenizer, which a dummy model has not")
         params.verify(self.vocab_size)
@@ -154,6 +152,7 @@ class VllmAsyncLLM:
                     kv_tokens_per_group=kept,
                     compression_ratio=ratio,
                     num_cached_tokens=out.num_cached_tokens or 0,
+                    logprobs=_logprobs(completion.logprobs, token_ids, params.logprobs),
                 )
         finally:
             if not finished:  # the consumer went away: free the request's blocks now
@@ -180,5 +179,21 @@ def _vllm_params(params: SamplingParams) -> Any:
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
+        logprobs=params.logprobs,
         output_kind=RequestOutputKind.CUMULATIVE,
     )
+
+
+def _logprobs(
+    positions: list[dict[int, Any]] | None, token_ids: list[int], num_top: int | None
+) -> list[TokenLogprobs] | None:
+    """vLLM's logprobs (per generated token, {token id: Logprob} of the sampled token and the
+    `num_top` most likely, each with its rank; raw logprobs, as ours) as the native engine's."""
+    if positions is None or num_top is None:
+        return None
+    out = []
+    for position, chosen in zip(positions, token_ids, strict=True):
+        ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items())
+        top = [(token, logprob) for rank, token, logprob in ranked if rank <= num_top]
+        out.append(TokenLogprobs(chosen, position[chosen].logprob, top[:num_top]))
+    return out

@@ -28,11 +28,17 @@ ENGINE = EngineConfig(
     kv_cache_memory_gb=0.5,
 )
 MAX_TOKENS = 16
+TOP_LOGPROBS = 3
+# Two float32 CPU implementations of one model agree to ~1e-4. With FP8 KV pages they pick the
+# same tokens, but their pages' scales differ (vLLM's default 1.0, ours measured), which moves
+# some logprobs by 0.2: there only the shapes are compared.
+LOGPROB_TOLERANCE = 2e-3
 
 
 def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
     """One completion through `kvsparse serve --engine vllm`, checked against the native
-    engine's text with the same KV cache dtype; vLLM's free KV blocks on the server's gauge."""
+    engine's text and logprobs with the same KV cache dtype; vLLM's free KV blocks on the
+    server's gauge."""
     native = LLM(
         model=MODEL,
         sparsity=SPARSE,
@@ -43,8 +49,11 @@ def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
         kv_cache_memory_gb=0.25,
         kv_cache_dtype=kv_cache_dtype,
     )
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=TOP_LOGPROBS
+    )
     expected = native.generate([prompt], params)[0]
+    assert expected.logprobs is not None
 
     settings = ServerSettings(
         served_model_names=[MODEL], max_model_len=1024, pools=[PoolSpec.of(SPARSE)]
@@ -58,13 +67,27 @@ def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
             "max_tokens": MAX_TOKENS,
             "temperature": 0.0,
             "ignore_eos": True,
+            "logprobs": TOP_LOGPROBS,
         }
         reply = httpx.post(f"{server.v1}/completions", json=body, timeout=300)
         assert reply.status_code == 200, reply.text
         result = reply.json()
         assert result["choices"][0]["text"] == expected.text
         assert result["usage"]["completion_tokens"] == MAX_TOKENS
+        logprobs = result["choices"][0]["logprobs"]
         metrics = server.metrics()
+    # vLLM's logprobs, as the native engine's: the chosen token's, then the top ones in order
+    # (the chosen token is the most likely: greedy).
+    compare = kv_cache_dtype == "auto"
+    want = [e.logprob for e in expected.logprobs]
+    assert len(logprobs["token_logprobs"]) == len(want)
+    assert not compare or logprobs["token_logprobs"] == pytest.approx(want, abs=LOGPROB_TOLERANCE)
+    for top, entry in zip(logprobs["top_logprobs"], expected.logprobs, strict=True):
+        values = list(top.values())
+        assert len(values) == TOP_LOGPROBS and values == sorted(values, reverse=True)
+        assert not compare or values == pytest.approx(
+            [lp for _, lp in entry.top], abs=LOGPROB_TOLERANCE
+        )
     # vLLM's block count, through its stat logger, on the server's own gauge.
     free = re.search(r'kvsparse_kv_blocks_free\{[^}]*group="vllm"[^}]*\} ([0-9.e+]+)', metrics)
     assert free is not None and float(free[1]) > 0, metrics
