@@ -85,6 +85,30 @@ def ray(engine: dict[str, Any], sparsity: dict[str, Any]) -> Configs:
     return cfg.engine_config(), cfg.sparsity_config()
 
 
+# The same settings as `kvsparse serve` flags, and as a Serve config's engine and sparsity.
+SERVER_SETTINGS = [
+    ([], {}, {}),
+    (["--model", "dummy:tiny", "--max-num-seqs", "8"], {"model": "dummy:tiny", "max_num_seqs": 8}, {}),
+    (["--policy", "pyramid", "--budget", "256"], {}, {"policy": "pyramid", "budget": 256}),
+    (["--policy", "dense", "--max-model-len", "2048"], {"max_model_len": 2048}, {"policy": "dense"}),
+    (["--full-layers", "auto", "--no-space-admissions"], {"space_admissions": False},
+     {"full_layers": "auto"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "engine", "sparsity"), SERVER_SETTINGS)
+def test_every_server_entry_point_resolves_the_same_configuration(
+    flags: list[str], engine: dict[str, Any], sparsity: dict[str, Any]
+) -> None:
+    """`kvsparse serve`, a Serve config written by hand (the Helm chart's kind) and `kvsparse
+    serve --ray` (which hands its resolved configs on as a Serve config) serve the same engine
+    and sparsity from the same settings: what they leave unset, a server's defaults fill."""
+    from_flags = serve(flags)
+    assert ray(dict(engine), dict(sparsity)) == from_flags
+    resolved_engine, resolved_sparsity = (dataclasses.asdict(c) for c in from_flags)
+    assert ray(resolved_engine, resolved_sparsity) == from_flags
+
+
 @pytest.mark.parametrize("as_text", [False, True], ids=["values", "strings"])
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.dest)
 def test_every_field_is_a_ray_serve_config_field(setting: Setting, as_text: bool) -> None:
