@@ -131,6 +131,8 @@ class VllmAsyncLLM:
         # A dummy model's text: vLLM has no tokenizer for it.
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.dummy else None
         text = ""
+        # The logprobs converted so far: vLLM's cumulative outputs repeat every earlier token's.
+        logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
         try:
             async for out in self._vllm.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), params, request_id
@@ -141,6 +143,10 @@ class VllmAsyncLLM:
                 if detokenizer is not None:
                     for token_id in token_ids[len(detokenizer.token_ids) :]:
                         text += detokenizer.append(token_id)
+                if logprobs is not None:
+                    done = len(logprobs)
+                    new = zip(completion.logprobs[done:], token_ids[done:], strict=True)
+                    logprobs += [_token_logprobs(p, t, params.logprobs) for p, t in new]
                 yield RequestOutput(
                     request_id=request_id,
                     prompt=None,
@@ -152,7 +158,7 @@ class VllmAsyncLLM:
                     kv_tokens_per_group=kept,
                     compression_ratio=ratio,
                     num_cached_tokens=out.num_cached_tokens or 0,
-                    logprobs=_logprobs(completion.logprobs, token_ids, params.logprobs),
+                    logprobs=None if logprobs is None else list(logprobs),
                 )
         finally:
             if not finished:  # the consumer went away: free the request's blocks now
@@ -184,16 +190,9 @@ def _vllm_params(params: SamplingParams) -> Any:
     )
 
 
-def _logprobs(
-    positions: list[dict[int, Any]] | None, token_ids: list[int], num_top: int | None
-) -> list[TokenLogprobs] | None:
-    """vLLM's logprobs (per generated token, {token id: Logprob} of the sampled token and the
+def _token_logprobs(position: dict[int, Any], chosen: int, num_top: int) -> TokenLogprobs:
+    """vLLM's logprobs of one generated token ({token id: Logprob} of the sampled token and the
     `num_top` most likely, each with its rank; raw logprobs, as ours) as the native engine's."""
-    if positions is None or num_top is None:
-        return None
-    out = []
-    for position, chosen in zip(positions, token_ids, strict=True):
-        ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items())
-        top = [(token, logprob) for rank, token, logprob in ranked if rank <= num_top]
-        out.append(TokenLogprobs(chosen, position[chosen].logprob, top[:num_top]))
-    return out
+    ranked = sorted((lp.rank, token, lp.logprob) for token, lp in position.items())
+    top = [(token, logprob) for rank, token, logprob in ranked if rank <= num_top]
+    return TokenLogprobs(chosen, position[chosen].logprob, top[:num_top])
