@@ -18,6 +18,7 @@ from service.settings import (
     resolve_api_key,
 )
 from sparse_core import cli as engine_cli
+from sparse_core.config import FP8_IF_SUPPORTED
 from sparse_core.engine_args import Default, add_config_args, configs_from_args
 
 if TYPE_CHECKING:
@@ -25,12 +26,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+FP8_DEFAULT_SHOWN = (
+    FP8_IF_SUPPORTED + ": fp8 on a GPU with FP8 tensor cores (compute capability 8.9+), else {off}"
+)
 # The engine flags' defaults for a server, which service.settings.apply_serving_defaults fills
 # in where the flags leave them unset (as it does for a Serve config).
 SERVE_DEFAULTS = {
     **engine_cli.CLI_DEFAULTS,
     "max_num_batched_tokens": Default(None, "max_model_len, one longest prompt per step"),
     "space_admissions": Default(None, "on"),
+    "quantization": Default(FP8_IF_SUPPORTED, FP8_DEFAULT_SHOWN.format(off="none")),
+    "kv_cache_dtype": Default(FP8_IF_SUPPORTED, FP8_DEFAULT_SHOWN.format(off="auto")),
 }
 
 
@@ -204,8 +210,11 @@ def _serve_standalone(args: argparse.Namespace, engine_config, sparsity) -> int:
     from service.http_server import ConnectionLimits, Server, ServerConfig
     from service.settings import PoolSpec, ServerSettings, parse_pools
     from service.standalone import build_standalone_app
+    from sparse_core.engine.device import config_on_device
     from sparse_core.models.prequantized import describe_checkpoint_quantization
 
+    # Resolved for this host's device, which the engines share, so /v1/models says what runs.
+    engine_config = config_on_device(engine_config)
     pools = parse_pools(args.pools, sparsity)
     max_inflight = args.max_inflight_requests or 4 * engine_config.max_num_seqs * len(pools)
     settings = ServerSettings(

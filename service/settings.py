@@ -52,7 +52,16 @@ def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
     - space_admissions: on, so that a burst of requests does not finish in lockstep and come
       back faster than one prefill per step can take them.
 
-    Both are measured in docs/benchmarks.md."""
+    Both are measured in docs/benchmarks.md. And where `engine_args` has no key for them (a
+    Serve config that leaves them out; `kvsparse serve`'s flags default to it):
+
+    - quantization and kv_cache_dtype: "fp8_if_supported", FP8 weights and KV cache on a GPU
+      with FP8 tensor cores (the RTX 4090, Hopper), none elsewhere (a null or "none" turns
+      them off)."""
+    from sparse_core.config import FP8_IF_SUPPORTED
+
+    for name in ("quantization", "kv_cache_dtype"):
+        engine_args.setdefault(name, FP8_IF_SUPPORTED)
     if engine_args.get("max_num_batched_tokens") is None:
         engine_args["max_num_batched_tokens"] = engine_args.get("max_model_len")
     if engine_args.get("space_admissions") is None:

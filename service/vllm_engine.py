@@ -47,7 +47,9 @@ class VllmAsyncLLM:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.config = config
+        from sparse_core.engine.device import config_on_device
+
+        self.config = config = config_on_device(config)
         name = profile_name(config.model)
         path = vllm_model_path(config.model)
         hf = json.loads((Path(path) / "config.json").read_text())

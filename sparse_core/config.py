@@ -10,9 +10,12 @@ from typing import Any, Literal, get_args
 Policy = Literal["dense", "snapkv", "pyramid", "streamingllm", "random"]
 Pooling = Literal["avg", "max", "none"]
 GQAReduction = Literal["mean", "max"]
-Quantization = Literal["fp8"]
+# FP8_IF_SUPPORTED, the servers' default for both: FP8 on a GPU with FP8 tensor cores, else none
+# (EngineConfig.on_device).
+FP8_IF_SUPPORTED = "fp8_if_supported"
+Quantization = Literal["fp8", "fp8_if_supported"]
 # vLLM's names: "auto" is the model's dtype; "fp8" and "fp8_e4m3" are the same e4m3 cache.
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_if_supported"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 POOLINGS: tuple[str, ...] = get_args(Pooling)
@@ -275,12 +278,16 @@ class EngineConfig:
       Hopper); on a CPU it runs through the float32 reference (sparse_core/kernels/fp8.py).
       A pre-quantized compressed-tensors FP8-Dynamic checkpoint sets "fp8" when this is None
       and its stored FP8 weights and scales are loaded as they are (models/prequantized.py).
+      "fp8_if_supported" (the default of `kvsparse serve` and of a Serve config) is "fp8" on a
+      GPU with FP8 tensor cores and None elsewhere (on a CPU, on an older GPU), resolved where
+      the engine starts (`on_device`).
     kv_cache_dtype: "auto" (the KV cache in `dtype`) or "fp8" / "fp8_e4m3" (vLLM's
       `--kv-cache-dtype fp8`): every layer group's pages hold e4m3, half the bytes of bf16, with
       one scale for K and one for V per layer (sparse_core/kernels/fp8.py, KVScales). Tokens are
       quantized as they are stored (compress-on-write stores the kept ones), and decode reads
       them back; prefill attention and scoring use the step's own keys and values, unquantized.
       Usable with or without `quantization`; on a GPU it needs compute capability 8.9+.
+      "fp8_if_supported" (the servers' default) is "fp8" where `quantization`'s is, else "auto".
     step_log: a file to append every step to, one JSON line each (sparse_core/engine/step_log.py):
       when it ended (Unix time), the engine's policy and budget, what it ran, its wall time and
       host launch time, whether it was launched ahead, and the host time it spent in kernels'
@@ -404,11 +411,18 @@ class EngineConfig:
 
     @property
     def fp8_kv_cache(self) -> bool:
+        assert self.kv_cache_dtype != FP8_IF_SUPPORTED, "resolved by on_device"
         return self.kv_cache_dtype != "auto"
 
-    def on_device(self, device_type: str) -> EngineConfig:
-        """This config with the defaults that depend on the device ("cuda", "cpu") filled in."""
-        if self.block_size is not None:
-            return self
-        size = CUDA_BLOCK_SIZE if device_type == "cuda" else DEFAULT_BLOCK_SIZE
-        return dataclasses.replace(self, block_size=size)
+    def on_device(self, device_type: str, supports_fp8: bool) -> EngineConfig:
+        """This config with the defaults that depend on the device filled in: the block size
+        for `device_type` ("cuda", "cpu"), and "fp8_if_supported" as FP8 when the device has
+        FP8 tensor cores (`supports_fp8`), else as none."""
+        changes: dict[str, Any] = {}
+        if self.block_size is None:
+            changes["block_size"] = CUDA_BLOCK_SIZE if device_type == "cuda" else DEFAULT_BLOCK_SIZE
+        if self.quantization == FP8_IF_SUPPORTED:
+            changes["quantization"] = "fp8" if supports_fp8 else None
+        if self.kv_cache_dtype == FP8_IF_SUPPORTED:
+            changes["kv_cache_dtype"] = "fp8" if supports_fp8 else "auto"
+        return dataclasses.replace(self, **changes) if changes else self

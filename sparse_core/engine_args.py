@@ -77,7 +77,7 @@ class Setting:
     def value(self, raw: Any) -> Any:
         """A mapping's value for the field: strings are parsed as flags are (a list as
         comma-separated text, a number or a bool as text); anything else is taken as it is."""
-        if isinstance(raw, str) and self.members != (str,) and not self.choices:
+        if isinstance(raw, str) and self.members != (str,):
             try:
                 return self.parse(raw)
             except argparse.ArgumentTypeError as exc:
@@ -234,9 +234,14 @@ def add_config_args(
         kwargs: dict[str, Any] = {"dest": setting.dest, "default": default}
         if setting.is_bool:
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif setting.choices:
+            # "none" reads as None where the field takes it (--quantization none).
+            kwargs["type"] = setting.parse
+            kwargs["choices"] = (*setting.choices, None) if setting.optional else setting.choices
+            names = [*setting.choices, *(["none"] if setting.optional else [])]
+            kwargs["metavar"] = "{" + ",".join(names) + "}"
         else:
-            kwargs["type"] = str if setting.choices else setting.parse
-            kwargs["choices"] = setting.choices
+            kwargs["type"] = setting.parse
             kwargs["metavar"] = METAVARS.get(setting.name)
         action = groups[setting.config].add_argument(
             setting.flag, *FLAG_ALIASES.get(setting.name, ()), **kwargs

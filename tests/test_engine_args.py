@@ -18,7 +18,7 @@ from service.ray_app import RayAppConfig
 from service.serve import serving_configs
 from sparse_core.bench.throughput import run_configs
 from sparse_core.bench.workload import calibrated_shape
-from sparse_core.config import EngineConfig, SparsityConfig
+from sparse_core.config import FP8_IF_SUPPORTED, EngineConfig, SparsityConfig
 from sparse_core.engine_args import SETTINGS, Setting, configs_from_args, flag_text
 from tests.config_samples import Configs, sample, value_of, with_companions
 
@@ -93,6 +93,9 @@ SERVER_SETTINGS = [
     (["--policy", "dense", "--max-model-len", "2048"], {"max_model_len": 2048}, {"policy": "dense"}),
     (["--full-layers", "auto", "--no-space-admissions"], {"space_admissions": False},
      {"full_layers": "auto"}),
+    (["--quantization", "none", "--kv-cache-dtype", "auto"],
+     {"quantization": None, "kv_cache_dtype": "auto"}, {}),
+    (["--quantization", "fp8"], {"quantization": "fp8"}, {}),
 ]  # fmt: skip
 
 
@@ -145,7 +148,8 @@ def test_help_is_one_line_per_field_with_the_default_the_flag_has(command: list[
     for action in config_actions(command):
         assert action.help and "\n" not in action.help, action.dest
         if action.default is not None:
-            assert action.help.endswith(f"(default: {flag_text(action.default)})"), action.help
+            # The value, then what a command's computed default comes to, if it says.
+            assert f"(default: {flag_text(action.default)}" in action.help, action.help
 
 
 def test_every_field_has_a_description():
@@ -157,6 +161,10 @@ def test_every_field_has_a_description():
 def test_commands_keep_their_own_defaults():
     serve_engine, serve_sparsity = serve([])
     assert serve_engine.space_admissions and serve_engine.max_num_batched_tokens == 8192
+    # FP8 weights and KV cache where the GPU has FP8 tensor cores; the library keeps vLLM's.
+    assert serve_engine.quantization == serve_engine.kv_cache_dtype == FP8_IF_SUPPORTED
+    generate_engine, _ = generate([])
+    assert (generate_engine.quantization, generate_engine.kv_cache_dtype) == (None, "auto")
     assert serve_sparsity.policy == "snapkv"
     engine, _ = bench([])
     assert (engine.model, engine.max_num_seqs, engine.max_model_len) == (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sparse_core import LLM, EngineConfig, SamplingParams, SparsityConfig
 
@@ -75,11 +76,35 @@ def test_bad_engine_config():
 
 def test_block_size_defaults_by_device(tiny):
     """128-token pages on CUDA (the decode kernel's tile), 16 elsewhere; a given size stays."""
-    assert EngineConfig().on_device("cuda").block_size == 128
-    assert EngineConfig().on_device("cpu").block_size == 16
-    assert EngineConfig(block_size=32).on_device("cuda").block_size == 32
+    assert EngineConfig().on_device("cuda", supports_fp8=True).block_size == 128
+    assert EngineConfig().on_device("cpu", supports_fp8=False).block_size == 16
+    assert EngineConfig(block_size=32).on_device("cuda", supports_fp8=True).block_size == 32
     expected = 128 if tiny.engine.runner.device.type == "cuda" else 16
     assert tiny.engine.config.block_size == tiny.engine.block_manager.block_size == expected
+
+
+@pytest.mark.parametrize("supports_fp8", [True, False])
+def test_fp8_if_supported_is_fp8_only_where_the_device_has_it(supports_fp8: bool):
+    """The servers' default: FP8 weights and KV cache on FP8 tensor cores, none elsewhere;
+    settings given stay as they are."""
+    config = EngineConfig(quantization="fp8_if_supported", kv_cache_dtype="fp8_if_supported")
+    device_type = "cuda" if supports_fp8 else "cpu"
+    resolved = config.on_device(device_type, supports_fp8)
+    expected = ("fp8", "fp8") if supports_fp8 else (None, "auto")
+    assert (resolved.quantization, resolved.kv_cache_dtype) == expected
+    given = EngineConfig(quantization=None, kv_cache_dtype="fp8").on_device("cuda", supports_fp8)
+    assert (given.quantization, given.kv_cache_dtype) == (None, "fp8")
+
+
+def test_a_server_engine_on_a_cpu_runs_without_fp8():
+    """`kvsparse serve`'s default (fp8_if_supported) on a CPU: the model's dtype throughout."""
+    llm = LLM(
+        "dummy:tiny", device="cpu", quantization="fp8_if_supported",
+        kv_cache_dtype="fp8_if_supported", kv_cache_memory_gb=0.01, max_model_len=256,
+    )  # fmt: skip
+    config = llm.engine.config
+    assert (config.quantization, config.kv_cache_dtype) == (None, "auto")
+    assert llm.engine.retention.kv_dtype == torch.float32
 
 
 def test_prompt_longer_than_max_model_len(tiny):

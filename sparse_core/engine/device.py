@@ -7,6 +7,9 @@ import os
 
 import torch
 
+from sparse_core.config import EngineConfig
+from sparse_core.kernels.fp8 import supports_fp8
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,6 +21,12 @@ def resolve_device(name: str | None) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return device
+
+
+def config_on_device(config: EngineConfig) -> EngineConfig:
+    """`config` with the defaults that depend on its device filled in (EngineConfig.on_device)."""
+    device = resolve_device(config.device)
+    return config.on_device(device.type, supports_fp8(device))
 
 
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:

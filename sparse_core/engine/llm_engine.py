@@ -13,7 +13,7 @@ from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
 from sparse_core.distributed.parallel_state import check_tp_divisibility
-from sparse_core.engine.device import resolve_device
+from sparse_core.engine.device import config_on_device
 from sparse_core.engine.gpu_memory import PeakGpuMemoryMeter
 from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class LLMEngine:
     ) -> None:
         """`model_source`: weights and tokenizer already loaded for `config.model` (its
         hf_overrides applied), so that many engines over one model read the files once."""
-        config = config.on_device(resolve_device(config.device).type)
+        config = config_on_device(config)
         source = model_source or load_model_source(config.model, config.hf_overrides)
         # A pre-quantized checkpoint's quantization, when `config` leaves it unset.
         config = resolve_quantization(config, source.config.checkpoint_quantization)

@@ -17,10 +17,9 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from sparse_core.config import EngineConfig
+from sparse_core.config import FP8_IF_SUPPORTED, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -139,12 +138,12 @@ def resolve_quantization(
     config: EngineConfig, checkpoint: CheckpointQuantization | None
 ) -> EngineConfig:
     """`config` with the quantization that the checkpoint's own implies. As in vLLM, a
-    pre-quantized checkpoint sets it when `quantization` is unset; "fp8" with an FP8-Dynamic
-    checkpoint is the same computation (its stored weights and scales are loaded, not quantized
-    again); another setting is refused."""
+    pre-quantized checkpoint sets it when `quantization` is unset (or "fp8_if_supported", the
+    servers' default); "fp8" with an FP8-Dynamic checkpoint is the same computation (its stored
+    weights and scales are loaded, not quantized again); another setting is refused."""
     if checkpoint is None:
         return config
-    if config.quantization is None:
+    if config.quantization in (None, FP8_IF_SUPPORTED):
         logger.info(
             "%s: pre-quantized %s checkpoint: quantization=%r (the stored FP8 weights and "
             "scales, as they are)",

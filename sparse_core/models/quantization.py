@@ -19,8 +19,8 @@ def check_fp8_device(device: torch.device, setting: str) -> None:
         raise ValueError(
             f"{setting} needs a GPU with FP8 support (compute capability 8.9 or higher: Ada "
             f"such as the RTX 4090, Hopper); {name} has {major}.{minor}. Run without it: "
-            f"--quantization none --kv-cache-dtype auto (the Helm chart: engine.quantization and "
-            f"engine.kv_cache_dtype set to null)"
+            f"--quantization none --kv-cache-dtype auto (the Helm chart: engine.quantization "
+            f"null and engine.kv_cache_dtype auto)"
         )
 
 
