@@ -19,7 +19,7 @@ from service.settings import (
 )
 from sparse_core import cli as engine_cli
 from sparse_core.config import FP8_IF_SUPPORTED
-from sparse_core.engine_args import Default, add_config_args, configs_from_args
+from sparse_core.engine_args import BY_DEST, Default, add_config_args, configs_from_args
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig, SparsityConfig
@@ -167,8 +167,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.model_arg:
-        args.model = args.model_arg
+    args.model = serve_model(args.model_arg, args.model)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     args.api_key = resolve_api_key(args.api_key, os.environ)
     check_api_key(args.api_key)  # before the model loads
@@ -184,6 +183,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray:
         return _serve_ray(args, engine_config, sparsity)
     return _serve_standalone(args, engine_config, sparsity)
+
+
+def serve_model(positional: str | None, flag: str) -> str:
+    """The model of `kvsparse serve [MODEL] [--model M]`: either form, not two different ones,
+    and not a word that a boolean flag was given by mistake (`--space-admissions false` leaves
+    `false` to MODEL: those flags take no value)."""
+    if positional is None:
+        return flag
+    if positional.lower() in _BOOLEAN_WORDS:
+        raise ValueError(
+            f"MODEL {positional!r} looks like the value of a boolean flag; those take none "
+            "(--space-admissions / --no-space-admissions)"
+        )
+    default = BY_DEST["model"].default
+    if flag not in (default, positional):
+        raise ValueError(f"two models given: MODEL {positional!r} and --model {flag!r}")
+    return positional
+
+
+_BOOLEAN_WORDS = ("true", "false", "on", "off", "yes", "no")
 
 
 def _is_loopback(host: str) -> bool:

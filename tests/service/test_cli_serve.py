@@ -65,6 +65,22 @@ def test_bad_flags_exit_with_a_message():
     assert "budget must be an integer" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["dummy:tiny", "--model", "dummy:small"], "two models given"),
+        (["--space-admissions", "false"], "looks like the value of a boolean flag"),
+    ],
+)
+def test_a_model_given_twice_or_a_boolean_flag_given_a_value_is_refused(args, message):
+    """Instead of serving one of the two models, or loading a model named `false`."""
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and message in result.stderr
+
+
 def test_a_server_spaces_admissions_and_takes_one_longest_prompt_per_step():
     """Unless its flags say otherwise; offline commands keep the engine's defaults."""
     from service.cli import build_parser
