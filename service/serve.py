@@ -33,7 +33,9 @@ FP8_DEFAULT_SHOWN = (
 # in where the flags leave them unset (as it does for a Serve config).
 SERVE_DEFAULTS = {
     **engine_cli.CLI_DEFAULTS,
-    "max_num_batched_tokens": Default(None, "max_model_len, one longest prompt per step"),
+    "max_num_batched_tokens": Default(
+        None, "expected_input_len, one typical prompt per step (a longer one runs alone)"
+    ),
     "space_admissions": Default(None, "on"),
     "quantization": Default(FP8_IF_SUPPORTED, FP8_DEFAULT_SHOWN.format(off="none")),
     "kv_cache_dtype": Default(FP8_IF_SUPPORTED, FP8_DEFAULT_SHOWN.format(off="auto")),

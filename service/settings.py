@@ -46,9 +46,10 @@ def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
     """A server's EngineConfig fields, where `engine_args` leaves them unset (absent or None).
     A server is judged by time to first token, an offline batch by throughput:
 
-    - max_num_batched_tokens: max_model_len, one longest prompt per step, so that a request that
-      finds no prompt queued waits for at most the step in flight. Serving long prompts it kept
-      the throughput of two prompts per step and cut TTFT p50.
+    - max_num_batched_tokens: expected_input_len, one typical prompt per step (a longer one
+      runs alone in its step), so that a request that finds no prompt queued waits for at most
+      the step in flight and its own. Serving long prompts it kept the throughput of two
+      prompts per step and cut TTFT p50.
     - space_admissions: on, so that a burst of requests does not finish in lockstep and come
       back faster than one prefill per step can take them.
 
@@ -58,12 +59,13 @@ def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
     - quantization and kv_cache_dtype: "fp8_if_supported", FP8 weights and KV cache on a GPU
       with FP8 tensor cores (the RTX 4090, Hopper), none elsewhere (a null or "none" turns
       them off)."""
-    from sparse_core.config import FP8_IF_SUPPORTED
+    from sparse_core.config import FP8_IF_SUPPORTED, EngineConfig
 
     for name in ("quantization", "kv_cache_dtype"):
         engine_args.setdefault(name, FP8_IF_SUPPORTED)
     if engine_args.get("max_num_batched_tokens") is None:
-        engine_args["max_num_batched_tokens"] = engine_args.get("max_model_len")
+        typical = engine_args.get("expected_input_len")
+        engine_args["max_num_batched_tokens"] = typical or EngineConfig.expected_input_len
     if engine_args.get("space_admissions") is None:
         engine_args["space_admissions"] = True
 

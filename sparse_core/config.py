@@ -223,7 +223,10 @@ class EngineConfig:
       async scheduling also takes expected_input_len as the length of the next prompt to come.
     max_num_batched_tokens: prompt tokens prefilled per step (the running sequences' decode
       tokens join them in the same forward pass). Without chunked prefill prompts are prefilled
-      whole, so it is at least max_model_len.
+      whole: a prompt longer than this runs alone, in a step that admits no other (vLLM refuses
+      a value below max_model_len there instead). None: the larger of max_model_len and 8192;
+      a server's default is expected_input_len, one typical prompt per step
+      (service/settings.py).
     enable_chunked_prefill: a prompt that does not fit what is left of a step is prefilled in
       chunks over the next steps, so that running sequences keep decoding while it is. Until its
       last chunk a chunked prompt holds blocks for all its tokens in every layer group (sparse
@@ -303,7 +306,7 @@ class EngineConfig:
     max_model_len: int = option(8192, "prompt + output tokens of a sequence")
     max_num_batched_tokens: int | None = option(
         None,
-        "prompt tokens prefilled per step (at least max_model_len without chunked prefill)",
+        "prompt tokens prefilled per step (without chunked prefill a longer prompt runs alone)",
         shown="the larger of max_model_len and 8192",
     )
     enable_chunked_prefill: bool = option(
@@ -396,18 +399,21 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_model_len ({self.max_model_len}): without enable_chunked_prefill prompts "
-                f"are prefilled in one step"
-            )
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be positive, got {self.kv_cache_memory_gb}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+
+    @property
+    def longest_whole_prefill(self) -> int:
+        """Prefill tokens a step may compute for one prompt: a longer prefill goes in chunks
+        (with chunked prefill); without, every prompt runs whole, alone if it must."""
+        assert self.max_num_batched_tokens is not None
+        if self.enable_chunked_prefill:
+            return self.max_num_batched_tokens
+        return max(self.max_num_batched_tokens, self.max_model_len)
 
     @property
     def fp8_kv_cache(self) -> bool:

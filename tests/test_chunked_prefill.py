@@ -139,11 +139,33 @@ def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_grou
     assert llm.generate([prompt], SamplingParams(max_tokens=too_long - 50))
 
 
+def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole_and_alone():
+    """Steps of 100 prompt tokens: 60 + 30 share one, 150 runs in one of its own (the step
+    after has room for the 40 again), generating what steps as long as the model generate."""
+    prompts = [list(range(1, 61)), list(range(1, 31)), list(range(5, 155)), list(range(200, 240))]
+
+    def generate(max_num_batched_tokens: int | None) -> tuple[list[list[int]], list[int]]:
+        llm = LLM("dummy:tiny", device="cpu", max_model_len=256, kv_cache_memory_gb=0.01,
+                  max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+        llm.engine.step_records = []
+        outs = llm.generate(prompts, GREEDY)
+        llm.engine.check_invariants()
+        records = llm.engine.step_records
+        return [o.token_ids for o in outs], [r.num_prefill_tokens for r in records if r.is_prefill]
+
+    tokens, prefills = generate(100)
+    assert prefills == [90, 150, 40]
+    assert EngineConfig(max_num_batched_tokens=100).longest_whole_prefill == 8192
+    whole_tokens, whole_prefills = generate(None)
+    assert whole_prefills == [280] and tokens == whole_tokens
+
+
 def test_step_size_limits():
-    with pytest.raises(ValueError, match="without enable_chunked_prefill"):
-        EngineConfig(max_model_len=4096, max_num_batched_tokens=2048)
-    assert EngineConfig(
-        max_model_len=4096, max_num_batched_tokens=2048, enable_chunked_prefill=True
+    assert (
+        EngineConfig(
+            max_model_len=4096, max_num_batched_tokens=2048, enable_chunked_prefill=True
+        ).longest_whole_prefill
+        == 2048
     )
     with pytest.raises(ValueError, match="observation window"):
         _tiny(max_num_batched_tokens=4)

@@ -52,14 +52,6 @@ def test_bad_flag_value_is_a_clear_error():
     )
 
 
-def test_batched_tokens_below_the_model_length_is_a_clear_error():
-    assert_usage_error(
-        "max_num_batched_tokens (2048) must be at least max_model_len (4096)",
-        *("generate", "hi", "--model", "dummy:tiny", "--max-model-len", "4096"),
-        *("--max-num-batched-tokens", "2048"),
-    )
-
-
 def test_chunked_prefill_allows_steps_shorter_than_a_prompt():
     """The prompt (~60 tokens) goes in chunks of 16, its last holding the 8-token window."""
     proc = run_cli(

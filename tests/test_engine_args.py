@@ -160,7 +160,7 @@ def test_every_field_has_a_description():
 
 def test_commands_keep_their_own_defaults():
     serve_engine, serve_sparsity = serve([])
-    assert serve_engine.space_admissions and serve_engine.max_num_batched_tokens == 8192
+    assert serve_engine.space_admissions and serve_engine.max_num_batched_tokens == 4000
     # FP8 weights and KV cache where the GPU has FP8 tensor cores; the library keeps vLLM's.
     assert serve_engine.quantization == serve_engine.kv_cache_dtype == FP8_IF_SUPPORTED
     generate_engine, _ = generate([])

@@ -123,7 +123,7 @@ class LLMEngine:
             config.max_model_len,
             self.retention,
             blocks,
-            config.max_num_batched_tokens,
+            config.longest_whole_prefill,
         )
         self.output_processor = OutputProcessor(
             self.tokenizer,

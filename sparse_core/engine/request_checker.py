@@ -19,7 +19,7 @@ class RequestChecker:
     max_model_len: int
     retention: KVRetention
     blocks_per_group: list[int]
-    max_num_batched_tokens: int
+    longest_whole_prefill: int  # EngineConfig's: a longer prefill goes in chunks
 
     def make_sequence(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -66,7 +66,7 @@ class RequestChecker:
         longest_prefill = prefill
         if seq.params.compress_prefix_len is None:
             longest_prefill = min(len(seq) + seq.params.max_tokens, self.max_model_len) - 1
-        chunked = longest_prefill if longest_prefill > self.max_num_batched_tokens else 0
+        chunked = longest_prefill if longest_prefill > self.longest_whole_prefill else 0
         later = len(seq) - prefill + seq.params.max_tokens
         for group, num_blocks in zip(self.retention.groups, self.blocks_per_group, strict=True):
             need = group.blocks(group.peak_tokens(prefill, later, chunked))

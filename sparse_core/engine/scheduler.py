@@ -1,7 +1,8 @@
 """Continuous batching: every step feeds one token to each running sequence (a generated one, or
 a prompt token fed after a compressed prefix) and, in the same forward pass, prefills the prompts
 admitted for it, up to max_num_batched_tokens prompt tokens. With chunked prefill a prompt that
-does not fit what is left of a step goes in chunks over several steps. A prompt is admitted only
+does not fit what is left of a step goes in chunks over several steps; without, a prompt longer
+than a step runs alone in one. A prompt is admitted only
 when every layer group has room for it; when a group runs out during decode, the newest sequence
 is preempted and recomputed later. With space_admissions, while sequences decode, a step in which
 a prompt ended its prefill (and goes on to decode) is followed by one that admits none
@@ -157,8 +158,8 @@ class Scheduler:
     def admits_another_prompt(self, num_tokens: int) -> bool:
         """Whether a prompt of `num_tokens` arriving now could still join the next step, beside
         the prompts already waiting (which go first): a sequence slot left (max_num_seqs), and
-        room in the step's tokens for the whole prompt, or with chunked prefill for a chunk.
-        Without chunked prefill no prompt is longer than a step: `num_tokens` is capped at it.
+        room in the step's tokens for the whole prompt (or the whole step, which a longer one
+        takes alone), or with chunked prefill for a chunk.
         With space_admissions, while sequences decode, none joins the step after one in which
         a prompt ended its prefill and goes on to decode."""
         if len(self.running) + len(self.waiting) >= self.max_num_seqs:
@@ -170,8 +171,6 @@ class Scheduler:
             room -= seq.num_prefill_tokens
             if room <= 0:
                 return False
-        if not self.enable_chunked_prefill:
-            num_tokens = min(num_tokens, self.max_num_batched_tokens)
         return self._next_chunk(num_tokens, room) > 0
 
     def _may_admit(self, decoding: bool) -> bool:
@@ -211,11 +210,12 @@ class Scheduler:
                 self.block_manager.end_prefill(seq)
 
     def _next_chunk(self, remaining: int, budget: int) -> int:
-        """Of a prefill's `remaining` tokens, those a step with `budget` left feeds; 0 to wait."""
+        """Of a prefill's `remaining` tokens, those a step with `budget` left feeds; 0 to wait.
+        Without chunked prefill a prefill longer than a step runs whole in a step of its own."""
         if remaining <= budget:
             return remaining
         if not self.enable_chunked_prefill:
-            return 0
+            return remaining if budget == self.max_num_batched_tokens else 0
         return max(0, min(budget, remaining - self.min_last_chunk))
 
     def _admissible_chunk(self, seq: Sequence, budget: int) -> tuple[int, bool]:

@@ -81,15 +81,15 @@ def test_a_model_given_twice_or_a_boolean_flag_given_a_value_is_refused(args, me
     assert result.returncode == 2 and message in result.stderr
 
 
-def test_a_server_spaces_admissions_and_takes_one_longest_prompt_per_step():
+def test_a_server_spaces_admissions_and_takes_one_typical_prompt_per_step():
     """Unless its flags say otherwise; offline commands keep the engine's defaults."""
     from service.cli import build_parser
     from service.serve import serving_configs
     from sparse_core.cli import configs_from_args
 
     parser = build_parser()
-    engine, _ = serving_configs(parser.parse_args(["serve", "--max-model-len", "4608"]))
-    assert engine.space_admissions and engine.max_num_batched_tokens == 4608
+    engine, _ = serving_configs(parser.parse_args(["serve", "--expected-input-len", "3000"]))
+    assert engine.space_admissions and engine.max_num_batched_tokens == 3000
     flags = ["--no-space-admissions", "--max-num-batched-tokens", "9216"]
     engine, _ = serving_configs(parser.parse_args(["serve", *flags]))
     assert not engine.space_admissions and engine.max_num_batched_tokens == 9216
@@ -100,10 +100,10 @@ def test_a_server_spaces_admissions_and_takes_one_longest_prompt_per_step():
 def test_a_serve_config_file_gets_the_same_defaults():
     from service.ray_app import RayAppConfig
 
-    engine = RayAppConfig(engine={"max_model_len": 4608}).engine_config()
-    assert engine.space_admissions and engine.max_num_batched_tokens == 4608
+    engine = RayAppConfig(engine={"expected_input_len": 3000}).engine_config()
+    assert engine.space_admissions and engine.max_num_batched_tokens == 3000
     engine = RayAppConfig(engine={"space_admissions": False}).engine_config()
-    assert not engine.space_admissions and engine.max_num_batched_tokens == 8192
+    assert not engine.space_admissions and engine.max_num_batched_tokens == 4000
 
 
 @pytest.mark.parametrize(
