@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from service.drain import Drain, shutting_down
-from service.errors import APIError, overloaded
+from service.errors import APIError, invalid_value, overloaded
 from service.messages import GenerateRequest
 from service.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, parse
 from service.responses import ChatFormat, Choice, CompletionFormat
@@ -206,31 +206,20 @@ def build_app(
         if len(prompts) * req.n > settings.max_choices:
             raise APIError(400, f"prompts x n must be at most {settings.max_choices}",
                            param="n", code="invalid_value")  # fmt: skip
+        try:  # the n choices' settings (each its own seed)
+            params = [req.sampling_params(max_tokens, j) for j in range(req.n)]
+        except ValueError as exc:
+            raise invalid_value(exc, None) from None
         choices: list[Choice] = []
         requests: list[GenerateRequest] = []
         for p, prompt in enumerate(prompts):
             for j in range(req.n):
                 choices.append(Choice(index=len(choices), prompt_index=p))
+                request_id = f"{fmt.id}-{len(requests)}"
                 requests.append(
-                    GenerateRequest(
-                        request_id=f"{fmt.id}-{len(requests)}",
-                        max_tokens=max_tokens,
-                        temperature=req.temperature,
-                        top_p=req.top_p,
-                        top_k=req.top_k,
-                        seed=req.choice_seed(j),
-                        stop=req.stop_list,
-                        stop_token_ids=list(req.stop_token_ids or []),
-                        ignore_eos=req.ignore_eos,
-                        min_tokens=req.min_tokens,
-                        repetition_penalty=req.repetition_penalty,
-                        presence_penalty=req.presence_penalty,
-                        frequency_penalty=req.frequency_penalty,
-                        return_token_ids=req.return_token_ids,
-                        logprobs=req.num_logprobs,
-                        **prompt,
-                    )
-                )
+                    GenerateRequest(request_id, params=params[j],
+                                    return_token_ids=req.return_token_ids, **prompt)
+                )  # fmt: skip
         admission.acquire(len(requests))
         try:
             streams = await open_streams(backend, pool.name, requests)

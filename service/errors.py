@@ -65,3 +65,15 @@ class APIError(Exception):
 
 def overloaded(message: str, status: int = 429, retry_after: int = 1) -> APIError:
     return APIError(status, message, code="server_overloaded", retry_after=retry_after)
+
+
+def invalid_value(exc: ValueError, param: str | None) -> APIError:
+    """A 400 for a ValueError of the engine's: one about a sampling field (SamplingParams'
+    messages start with the field's name) names it, with code invalid_value; any other names
+    `param`."""
+    from sparse_core.engine.sampling_params import SamplingParams
+
+    field = str(exc).split(" ", 1)[0]
+    if field in SamplingParams.__dataclass_fields__:
+        return APIError(400, str(exc), param=field, code="invalid_value")
+    return APIError(400, str(exc), param=param)

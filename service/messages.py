@@ -1,9 +1,12 @@
 """What crosses between the HTTP layer and an engine worker (possibly another process): plain
-dataclasses with no engine imports, so that the Ray ingress does not load torch."""
+dataclasses, and the engine's torch-free vocabulary (`SamplingParams`), so that the Ray ingress
+does not load torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from sparse_core.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -13,23 +16,11 @@ class GenerateRequest:
     request_id: str
     prompt: str | list[int] | None = None  # completions: text or token ids
     messages: list[dict[str, str]] | None = None  # chat: rendered with the model's template
-    max_tokens: int | None = None  # None: whatever the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    # The engine's settings (max_tokens None: whatever the context leaves; `logprobs`: chunks
+    # carry each new token's logprob and its most likely alternatives').
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(max_tokens=None))
     # vLLM's `return_token_ids`: chunks carry the token ids (the prompt's in the first).
     return_token_ids: bool = False
-    # vLLM's `logprobs`: chunks carry each new token's logprob and the `logprobs` most likely
-    # tokens' (0: the token's only); None: no logprobs.
-    logprobs: int | None = None
 
 
 @dataclass

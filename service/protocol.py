@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.errors import APIError
+from sparse_core.engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 # Field -> its neutral values (accepted: they ask for nothing we do not do). Any other value is
 # a 400 naming the field. Names are OpenAI's and vLLM's.
@@ -42,8 +43,6 @@ REFUSED_CHAT: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
 }
-SEED_RANGE = (-(2**63), 2**63 - 1)  # a signed 64-bit integer, as in vLLM
-MAX_LOGPROBS = 20  # top logprobs per token, as SamplingParams takes them (vLLM's max_logprobs)
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
@@ -121,6 +120,26 @@ class SamplingFields(BaseModel):
         """vLLM's `SamplingParams.logprobs`: how many top logprobs each generated token comes
         with (0: its own only); None: no logprobs."""
         return None
+
+    def sampling_params(self, max_tokens: int | None, choice: int) -> SamplingParams:
+        """The engine's settings for the request's choice `choice` (its seed: `choice_seed`);
+        `max_tokens` None: whatever the context leaves. The one place the OpenAI fields map onto
+        the engine's; a ValueError names a field the engine refuses."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.choice_seed(choice),
+            stop=self.stop_list,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.num_logprobs,
+        )
 
     def choice_seed(self, index: int) -> int | None:
         """Choice `index`'s seed: `seed + index`, wrapped into the seed's range, so that the

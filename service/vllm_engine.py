@@ -12,6 +12,7 @@ text is the preset's byte tokenizer's, detokenized here as the native engine doe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -174,22 +175,15 @@ def _vllm_params(params: SamplingParams) -> Any:
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    return VllmSamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k or -1,  # ours: 0 = off; vLLM's: -1 (or 0) = off
-        seed=params.seed,
-        stop=list(params.stop),
-        stop_token_ids=list(params.stop_token_ids),
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        logprobs=params.logprobs,
-        output_kind=RequestOutputKind.CUMULATIVE,
-    )
+    # Every field of ours that vLLM has means the same there (vLLM's vocabulary); the lists
+    # are copied, vLLM may extend them.
+    shared = {
+        f.name: list(value) if isinstance(value := getattr(params, f.name), list) else value
+        for f in dataclasses.fields(params)
+        if f.name in VllmSamplingParams.__struct_fields__
+    }
+    shared["top_k"] = params.top_k or -1  # ours: 0 = off; vLLM's: -1 (or 0) = off
+    return VllmSamplingParams(**shared, output_kind=RequestOutputKind.CUMULATIVE)
 
 
 def _token_logprobs(position: dict[int, Any], chosen: int, num_top: int) -> TokenLogprobs:

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from service.errors import APIError
+from service.errors import APIError, invalid_value
 from service.messages import Chunk, GenerateRequest, RoutingStats, TextLogprobs
 from service.metrics import MetricsRecorder
 from sparse_core.config import EngineConfig, SparsityConfig
@@ -171,13 +171,14 @@ class EngineWorker:
         self._check_size(req)
         loop = asyncio.get_running_loop()
         prompt_ids, param = await loop.run_in_executor(self._tokenizing, self._prompt_ids, req)
-        params = self._sampling_params(req, len(prompt_ids))
+        params = req.params
+        self._check_room(params, len(prompt_ids))
         try:
             # The engine validates eagerly (KV capacity, ids, fields against the vocabulary):
             # errors are 4xx before streaming.
             outputs = self.llm.generate(prompt_ids, params, request_id=req.request_id)
         except ValueError as exc:
-            raise _invalid(exc, param) from None
+            raise invalid_value(exc, param) from None
         return prompt_ids, params, outputs
 
     def _check_size(self, req: GenerateRequest) -> None:
@@ -227,36 +228,19 @@ class EngineWorker:
             )
         return ids, param
 
-    def _sampling_params(self, req: GenerateRequest, n_prompt: int) -> SamplingParams:
+    def _check_room(self, params: SamplingParams, n_prompt: int) -> None:
+        """Refuse a max_tokens that the context cannot hold beside the prompt, as OpenAI does
+        (None takes what is left)."""
         room = self.max_model_len - n_prompt
-        max_tokens = room if req.max_tokens is None else req.max_tokens
-        if max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens, but "
-                f"{n_prompt + max_tokens} were requested ({n_prompt} in the prompt, {max_tokens} "
-                f"for the completion)",
+                f"{n_prompt + params.max_tokens} were requested ({n_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion)",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                top_k=req.top_k,
-                seed=req.seed,
-                stop=list(req.stop),
-                stop_token_ids=list(req.stop_token_ids),
-                ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
-                repetition_penalty=req.repetition_penalty,
-                presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty,
-                logprobs=req.logprobs,
-            )
-        except ValueError as exc:
-            raise _invalid(exc, None) from None
 
     # -- state --------------------------------------------------------------------------------
 
@@ -279,12 +263,3 @@ class EngineWorker:
     def shutdown(self) -> None:
         self._tokenizing.shutdown(wait=False, cancel_futures=True)
         self.llm.shutdown()
-
-
-def _invalid(exc: ValueError, param: str | None) -> APIError:
-    """A 400 for an engine's ValueError: one about a request field (its message starts with the
-    field's name) names it, with code invalid_value; any other names `param`."""
-    field = str(exc).split(" ", 1)[0]
-    if field in GenerateRequest.__dataclass_fields__ and field not in ("prompt", "messages"):
-        return APIError(400, str(exc), param=field, code="invalid_value")
-    return APIError(400, str(exc), param=param)

@@ -8,6 +8,8 @@ a deferred import that dodges a cycle at run time is still two modules that need
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,3 +97,27 @@ def test_sparse_core_never_imports_service():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_ray_ingress_speaks_the_engines_vocabulary_without_loading_torch():
+    """The ingress process (HTTP, routing, the request and its SamplingParams) imports no torch:
+    `sparse_core` loads the engine only when its names are used."""
+    script = (
+        "import sys; import service.app, service.ray_app, service.router, service.protocol; "
+        "from sparse_core.engine.sampling_params import SamplingParams; "
+        "assert 'torch' not in sys.modules, 'torch imported'; "
+        "from sparse_core import LLM; assert 'torch' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=120)
+
+
+def test_the_sampling_fields_are_named_where_they_are_defined_mapped_and_used():
+    """The OpenAI protocol (which maps onto SamplingParams), SamplingParams and the sampler:
+    nothing between them copies the fields one by one."""
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    naming = sorted(module_name(p) for p in files if "presence_penalty" in p.read_text())
+    assert naming == [
+        "service.protocol",
+        "sparse_core.engine.sampler",
+        "sparse_core.engine.sampling_params",
+    ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sparse_core import SamplingParams
+import pytest
+
+from sparse_core import LLM, SamplingParams
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(dense_llm):
@@ -50,3 +52,15 @@ def test_stop_token_id_and_eos(dense_llm):
     answer = dense_llm.generate([chat], SamplingParams(max_tokens=64, temperature=0))[0]
     assert answer.finish_reason == "stop"
     assert answer.token_ids[-1] in dense_llm.tokenizer.eos_token_ids
+
+
+def test_max_tokens_none_generates_what_the_context_leaves():
+    """vLLM's meaning: the prompt plus the output fill max_model_len; min_tokens is checked
+    against that room."""
+    llm = LLM("dummy:tiny", device="cpu", max_model_len=64, kv_cache_memory_gb=0.01)
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0.0)
+    (out,) = llm.generate([list(range(1, 11))], params)
+    assert len(out.token_ids) == 54 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="min_tokens must be an integer in"):
+        llm.generate([list(range(1, 11))], SamplingParams(max_tokens=None, min_tokens=55))
+    llm.engine.check_invariants()

@@ -49,6 +49,8 @@ class RequestChecker:
                 f"prompt has {len(token_ids)} tokens; max_model_len is {limit}, which must leave "
                 f"room for at least one generated token"
             )
+        if params.max_tokens is None:  # as many as the context leaves (checks min_tokens again)
+            params = dataclasses.replace(params, max_tokens=limit - len(token_ids))
         if params.min_tokens:  # the sampler bans EOS until then
             params = dataclasses.replace(params, eos_token_ids=self.tokenizer.eos_token_ids)
         seq = Sequence(request_id, token_ids, params, len(self.retention.groups), prompt=text)

@@ -41,7 +41,7 @@ class SamplingParams:
     (`logprobs_mode="raw_logprobs"`) returns them.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as max_model_len leaves (vLLM's)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off (-1, vLLM's "off", is taken as 0)
@@ -63,10 +63,12 @@ class SamplingParams:
         vocabulary. Every message starts with the field's name."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("top_k", "min_tokens"):
             _check_int(name, getattr(self, name))
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
             _check_finite(name, getattr(self, name))
@@ -81,7 +83,9 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
                 raise ValueError(f"seed must be in [-2**63, 2**63 - 1], got {self.seed}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                 f"got {self.min_tokens!r}"
