@@ -71,7 +71,7 @@ def invalid_value(exc: ValueError, param: str | None) -> APIError:
     """A 400 for a ValueError of the engine's: one about a sampling field (SamplingParams'
     messages start with the field's name) names it, with code invalid_value; any other names
     `param`."""
-    from sparse_core.engine.sampling_params import SamplingParams
+    from sparse_core.sampling_params import SamplingParams
 
     field = str(exc).split(" ", 1)[0]
     if field in SamplingParams.__dataclass_fields__:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from service.errors import APIError
-from sparse_core.engine.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from sparse_core.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 # Field -> its neutral values (accepted: they ask for nothing we do not do). Any other value is
 # a 400 naming the field. Names are OpenAI's and vLLM's.

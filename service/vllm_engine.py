@@ -21,11 +21,11 @@ from typing import Any
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
 from sparse_core.engine.llm_engine import EngineStats
-from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.models.loader import load_model_source
 from sparse_core.models.tokenizer import ByteTokenizer, Tokenizer
+from sparse_core.outputs import RequestOutput, TokenLogprobs
 from sparse_core.policy import plan_layers
+from sparse_core.sampling_params import SamplingParams
 
 
 class VllmAsyncLLM:

@@ -18,8 +18,8 @@ from service.messages import Chunk, GenerateRequest, RoutingStats, TextLogprobs
 from service.metrics import MetricsRecorder
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.async_engine import AsyncLLM
-from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
-from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.outputs import RequestOutput, TokenLogprobs
+from sparse_core.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

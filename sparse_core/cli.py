@@ -21,7 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sparse_core.engine.llm_engine import LLMEngine
-    from sparse_core.engine.sampling_params import SamplingParams
+    from sparse_core.sampling_params import SamplingParams
 
     engine_config, sparsity = configs_from_args(args)
     params = SamplingParams(

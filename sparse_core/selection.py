@@ -22,9 +22,9 @@ from typing import Protocol
 import torch
 
 from sparse_core.config import SparsityConfig
-from sparse_core.engine.transfers import to_device
 from sparse_core.kernels import KernelOps
 from sparse_core.kernels.reference import ragged_rows
+from sparse_core.transfers import to_device
 
 
 @dataclass

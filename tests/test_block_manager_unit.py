@@ -9,9 +9,9 @@ import torch
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.retention import KVRetention
 from sparse_core.config import EngineConfig, SparsityConfig
-from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.sequence import Sequence
 from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.sampling_params import SamplingParams
+from sparse_core.sequence import Sequence
 
 BLOCK = 16
 BLOCKS = [40, 12]  # whole group, sparse group

@@ -94,6 +94,21 @@ def test_sparse_core_never_imports_service():
     assert not {m: d for m, d in offenders.items() if d}
 
 
+def test_the_ground_floor_imports_nothing_above_it():
+    """The KV cache (`cache/`), the selection and the engine's vocabulary (the request, its
+    settings and outputs, the host-device transfers) sit below the engine: none imports
+    `sparse_core.engine`."""
+    graph = import_graph()
+    ground = [
+        m for m in graph
+        if m.startswith("sparse_core.cache")
+        or m in ("sparse_core.selection", "sparse_core.sequence", "sparse_core.transfers",
+                 "sparse_core.outputs", "sparse_core.sampling_params", "sparse_core.config")
+    ]  # fmt: skip
+    upward = {m: sorted(d for d in graph[m] if d.startswith("sparse_core.engine")) for m in ground}
+    assert not {m: d for m, d in upward.items() if d}
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -104,7 +119,7 @@ def test_the_ray_ingress_speaks_the_engines_vocabulary_without_loading_torch():
     `sparse_core` loads the engine only when its names are used."""
     script = (
         "import sys; import service.app, service.ray_app, service.router, service.protocol; "
-        "from sparse_core.engine.sampling_params import SamplingParams; "
+        "from sparse_core.sampling_params import SamplingParams; "
         "assert 'torch' not in sys.modules, 'torch imported'; "
         "from sparse_core import LLM; assert 'torch' in sys.modules"
     )
@@ -119,5 +134,5 @@ def test_the_sampling_fields_are_named_where_they_are_defined_mapped_and_used():
     assert naming == [
         "service.protocol",
         "sparse_core.engine.sampler",
-        "sparse_core.engine.sampling_params",
+        "sparse_core.sampling_params",
     ]

@@ -15,10 +15,10 @@ import torch
 
 from sparse_core import LLM, SamplingParams
 from sparse_core.engine import model_runner
-from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 from sparse_core.engine.sampler import sample, sampled_logprobs
-from sparse_core.engine.sequence import Sequence
-from sparse_core.engine.transfers import PendingTokens
+from sparse_core.outputs import RequestOutput, TokenLogprobs
+from sparse_core.sequence import Sequence
+from sparse_core.transfers import PendingTokens
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA])]

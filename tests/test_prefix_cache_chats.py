@@ -22,9 +22,9 @@ from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.memory import split_kv_memory
 from sparse_core.cache.retention import KVRetention
 from sparse_core.config import EngineConfig, SparsityConfig
-from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.sequence import Sequence
 from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.sampling_params import SamplingParams
+from sparse_core.sequence import Sequence
 
 # The chart's engine on the 8B shape: FP8 KV in 128-token blocks, about 11 GiB of it under the
 # 24 GB cap, snapkv with budget 512, window 32 and the first 3 layers whole.

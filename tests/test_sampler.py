@@ -7,7 +7,7 @@ import torch
 
 from sparse_core import SamplingParams
 from sparse_core.engine.sampler import _draw, sample
-from sparse_core.engine.sequence import Sequence
+from sparse_core.sequence import Sequence
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 DRAWS = 6000

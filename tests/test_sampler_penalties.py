@@ -7,7 +7,7 @@ import torch
 
 from sparse_core import SamplingParams
 from sparse_core.engine.sampler import sample
-from sparse_core.engine.sequence import Sequence
+from sparse_core.sequence import Sequence
 
 VOCAB = 12
 

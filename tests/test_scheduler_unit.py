@@ -10,10 +10,10 @@ import torch
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.retention import KVRetention
 from sparse_core.config import EngineConfig, SparsityConfig
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
-from sparse_core.engine.sequence import Sequence, SequenceStatus
 from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.sampling_params import SamplingParams
+from sparse_core.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
 DENSE = SparsityConfig(policy="dense")

@@ -21,7 +21,7 @@ from sparse_core.bench.workload import sparsity_for, start_decoding
 from sparse_core.config import EngineConfig
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.sampler import sample
-from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.sampling_params import SamplingParams
 
 SAMPLING = {
     "temperature 1": SamplingParams(temperature=1.0),

@@ -28,9 +28,9 @@ from sparse_core.engine.gpu_memory import (
     process_gpu_bytes,
 )
 from sparse_core.engine.llm_engine import LLMEngine
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.step_log import StepRecord
 from sparse_core.engine_args import Default, add_config_args, config_values
+from sparse_core.sampling_params import SamplingParams
 
 
 @dataclass

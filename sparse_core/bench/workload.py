@@ -7,10 +7,10 @@ import random
 
 from sparse_core.config import SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.models.config import DUMMY_PRESETS
 from sparse_core.models.loader import load_model_source
 from sparse_core.policy import budgets_for_ratios, nearest_budget_profile
+from sparse_core.sampling_params import SamplingParams
 
 # Until aborted or max_model_len: no stop token ends them early.
 KEEP_DECODING = SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.0)

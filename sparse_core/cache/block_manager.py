@@ -8,7 +8,7 @@ import torch
 
 from sparse_core.cache.block_pool import BlockHash, BlockPool, prefix_hashes
 from sparse_core.cache.retention import KVRetention, cdiv
-from sparse_core.engine.sequence import Sequence
+from sparse_core.sequence import Sequence
 
 
 @dataclass

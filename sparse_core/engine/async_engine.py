@@ -20,8 +20,8 @@ from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.device import resolve_device
 from sparse_core.engine.engine_core import ProcessEngineCore, StepResult, ThreadEngineCore
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.outputs import RequestOutput
-from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.outputs import RequestOutput
+from sparse_core.sampling_params import SamplingParams
 
 # With the engine on a thread of this process, it shares the GIL with the event loop that
 # streams responses. Python hands the GIL to a waiting thread only every switch interval (5 ms by

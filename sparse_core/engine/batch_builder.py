@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from sparse_core.cache.block_manager import BlockManager
     from sparse_core.cache.retention import KVRetention
     from sparse_core.engine.scheduler import ScheduledStep
-    from sparse_core.engine.sequence import Sequence
+    from sparse_core.sequence import Sequence
 
 
 @dataclass

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_core.engine.transfers import copy_into
 from sparse_core.models.attention import DecodeGroupMetadata, DecodeMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
+from sparse_core.transfers import copy_into
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:

@@ -24,9 +24,9 @@ from typing import Any
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.device import resolve_device, use_one_host_thread
 from sparse_core.engine.llm_engine import EngineStats, LLMEngine
-from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
 from sparse_core.engine.request_checker import RequestChecker
-from sparse_core.engine.sequence import Sequence
+from sparse_core.outputs import RequestOutput, TokenLogprobs
+from sparse_core.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ from tqdm import tqdm
 
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.llm_engine import LLMEngine
-from sparse_core.engine.outputs import RequestOutput
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.models.loader import ModelSource
+from sparse_core.outputs import RequestOutput
+from sparse_core.sampling_params import SamplingParams
 
 
 class LLM:

@@ -18,16 +18,16 @@ from sparse_core.engine.gpu_memory import PeakGpuMemoryMeter
 from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.output_processor import OutputProcessor
-from sparse_core.engine.outputs import RequestOutput
 from sparse_core.engine.request_checker import RequestChecker
-from sparse_core.engine.sampling_params import SamplingParams
 from sparse_core.engine.scheduler import AheadStep, ScheduledStep, Scheduler
-from sparse_core.engine.sequence import Sequence
 from sparse_core.engine.step_log import StepLog, StepRecord
-from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.models.prequantized import resolve_quantization
+from sparse_core.outputs import RequestOutput
+from sparse_core.sampling_params import SamplingParams
+from sparse_core.sequence import Sequence
+from sparse_core.transfers import PendingTokens, to_device
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from sparse_core.engine.gpu_memory import limit_allocator
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample, sampled_logprobs
 from sparse_core.engine.scheduler import ScheduledStep
-from sparse_core.engine.transfers import PendingTokens, to_device
 from sparse_core.kernels import get_ops
 from sparse_core.models.attention import (
     ChunkContext,
@@ -44,6 +43,7 @@ from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
 from sparse_core.models.quantization import check_fp8_device, quantize_linear_layers
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
+from sparse_core.transfers import PendingTokens, to_device
 
 logger = logging.getLogger(__name__)
 

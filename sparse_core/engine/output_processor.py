@@ -7,13 +7,13 @@ import time
 from typing import TYPE_CHECKING
 
 from sparse_core.engine.detokenizer import IncrementalDetokenizer
-from sparse_core.engine.outputs import RequestOutput, TokenLogprobs
+from sparse_core.outputs import RequestOutput, TokenLogprobs
 
 if TYPE_CHECKING:
     from sparse_core.engine.scheduler import ScheduledStep, Scheduler
-    from sparse_core.engine.sequence import Sequence
     from sparse_core.models.tokenizer import Tokenizer
     from sparse_core.policy import LayerPlan
+    from sparse_core.sequence import Sequence
 
 
 class OutputProcessor:

@@ -7,9 +7,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from sparse_core.cache.retention import KVRetention
-from sparse_core.engine.sampling_params import SamplingParams
-from sparse_core.engine.sequence import Sequence
 from sparse_core.models.tokenizer import Tokenizer
+from sparse_core.sampling_params import SamplingParams
+from sparse_core.sequence import Sequence
 
 
 @dataclass

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from sparse_core.engine.sequence import Sequence
-from sparse_core.engine.transfers import SampledLogprobs, to_device
+from sparse_core.sequence import Sequence
+from sparse_core.transfers import SampledLogprobs, to_device
 
 
 def sample(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig
-from sparse_core.engine.sequence import Sequence, SequenceStatus
+from sparse_core.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -33,7 +33,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
 
-from sparse_core.engine.transfers import to_device
+from sparse_core.transfers import to_device
 from sparse_core.vllm_plugin.decode_tables import context_slot_table
 from sparse_core.vllm_plugin.kv_spec import BudgetAttentionSpec
 from sparse_core.vllm_plugin.step_rows import Index, StepRows, index_len, step_rows

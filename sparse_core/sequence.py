@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sparse_core.engine.outputs import TokenLogprobs
-from sparse_core.engine.sampling_params import SamplingParams
+from sparse_core.outputs import TokenLogprobs
+from sparse_core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_core.engine.outputs import TokenLogprobs
+from sparse_core.outputs import TokenLogprobs
 
 
 def to_device(
