@@ -6,6 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from sparse_core.sampling_params import SamplingParams
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -71,8 +73,6 @@ def invalid_value(exc: ValueError, param: str | None) -> APIError:
     """A 400 for a ValueError of the engine's: one about a sampling field (SamplingParams'
     messages start with the field's name) names it, with code invalid_value; any other names
     `param`."""
-    from sparse_core.sampling_params import SamplingParams
-
     field = str(exc).split(" ", 1)[0]
     if field in SamplingParams.__dataclass_fields__:
         return APIError(400, str(exc), param=field, code="invalid_value")

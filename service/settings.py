@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from service.errors import APIError
 from service.protocol import KVSparseOptions
-
-if TYPE_CHECKING:
-    from sparse_core.config import SparsityConfig
-
+from sparse_core.config import FP8_IF_SUPPORTED, EngineConfig, SparsityConfig
 
 API_KEY_ENV = "KVSPARSE_API_KEY"
 # Of each request's body, what it may hold outside `ServerSettings.max_buffered_body_bytes`: the
@@ -59,8 +56,6 @@ def apply_serving_defaults(engine_args: dict[str, Any]) -> None:
     - quantization and kv_cache_dtype: "fp8_if_supported", FP8 weights and KV cache on a GPU
       with FP8 tensor cores (the RTX 4090, Hopper), none elsewhere (a null or "none" turns
       them off)."""
-    from sparse_core.config import FP8_IF_SUPPORTED, EngineConfig
-
     for name in ("quantization", "kv_cache_dtype"):
         engine_args.setdefault(name, FP8_IF_SUPPORTED)
     if engine_args.get("max_num_batched_tokens") is None:

@@ -295,8 +295,9 @@ class ModelRunner:
     def profile_activation_bytes(self) -> int:
         """Peak memory the largest step needs above what the allocator holds now (CUDA only).
 
-        Runs max_num_batched_tokens of prompts of max_model_len tokens (without chunked
-        prefill, at least one such prompt: a longer prompt runs alone) together with
+        Runs a step's most prompt tokens (`EngineConfig.longest_whole_prefill`: without chunked
+        prefill, at least one longest prompt, which runs alone), in prompts of max_model_len
+        tokens, together with
         max_num_seqs decoding rows, every slot at -1 so nothing is cached; the caches are
         placeholders of one block. Sparse groups compress the prompts as in serving, so the
         scoring buffers are counted and the scoring and compaction kernels compiled now rather
@@ -310,7 +311,7 @@ class ModelRunner:
         )
         for attn in self.model.attention_layers:
             attn.k_cache, attn.v_cache = placeholder[0], placeholder[1]
-        total = max(config.max_num_batched_tokens, config.longest_whole_prefill)
+        total = config.longest_whole_prefill
         lens = [config.max_model_len] * (total // config.max_model_len)
         if total % config.max_model_len:
             lens.append(total % config.max_model_len)
