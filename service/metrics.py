@@ -71,10 +71,12 @@ DEFINITIONS = [
     MetricDef("counter", "kvsparse_request_errors_total",
               "Requests that failed on the server's side (answered 5xx): the engine failed or "
               "stopped. Requests refused as invalid (4xx) are the client's errors, not counted."),
-    MetricDef("gauge", "kvsparse_kv_blocks_used", "KV blocks in use, per layer group.",
+    MetricDef("gauge", "kvsparse_kv_blocks_used",
+              "KV blocks in use, per layer group, of the pool every group shares.",
               labels=("group",)),
-    MetricDef("gauge", "kvsparse_kv_blocks_free", "KV blocks free, per layer group.",
-              labels=("group",)),
+    MetricDef("gauge", "kvsparse_kv_blocks_free",
+              "KV blocks free (cached prefix blocks included) in the pool every layer group "
+              "shares."),
     MetricDef("histogram", "kvsparse_compression_ratio",
               "Prompt token-layers over kept token-layers, per finished request (1 = dense).",
               buckets=tuple(COMPRESSION_BUCKETS)),
@@ -253,9 +255,8 @@ class MetricsRecorder:
         self._m["vllm:num_requests_running"].set(stats.num_running, self._labels)
         self._m["vllm:num_requests_waiting"].set(stats.num_waiting, self._labels)
         for group, blocks in stats.kv_blocks.items():
-            labels = self._with(group=group)
-            self._m["kvsparse_kv_blocks_used"].set(blocks["used"], labels)
-            self._m["kvsparse_kv_blocks_free"].set(blocks["free"], labels)
+            self._m["kvsparse_kv_blocks_used"].set(blocks["used"], self._with(group=group))
+            self._m["kvsparse_kv_blocks_free"].set(blocks["free"], self._labels)
         self._m["vllm:kv_cache_usage_perc"].set(stats.kv_used_fraction, self._labels)
         if stats.gpu_memory_peak_bytes is not None:
             self._m["kvsparse_gpu_memory_peak_bytes"].set(stats.gpu_memory_peak_bytes, self._labels)

@@ -59,7 +59,7 @@ class EngineWorker:
         """engine_process: our engine in a process of its own (default: on a GPU only)."""
         if engine == "native":
             llm = AsyncLLM(engine_config, sparsity, engine_process=engine_process)
-            metrics.layer_plan(llm.checker.retention.plan)
+            metrics.layer_plan(llm.checker.retention.layer_plan)
         elif engine == "vllm":
             from service.vllm_engine import VllmAsyncLLM
 

@@ -218,9 +218,9 @@ class EngineConfig:
     gpu_memory_limit_gb: a hard cap on the engine's GPU memory in GiB, e.g. 24 to make a large
       GPU stand in for an RTX 4090. Memory that other processes hold on the same GPU when the
       engine starts counts against it, as it would on the smaller card.
-    expected_input_len / expected_output_len: the typical request, used to split KV memory
-      between layer groups so that every group runs out at the same number of sequences;
-      async scheduling also takes expected_input_len as the length of the next prompt to come.
+    expected_input_len: the typical prompt: a server's step size (max_num_batched_tokens),
+      the length async scheduling takes for the next prompt to come, and the length
+      layer_budgets="auto" sizes budgets for in vLLM's plugin.
     max_num_batched_tokens: prompt tokens prefilled per step (the running sequences' decode
       tokens join them in the same forward pass). Without chunked prefill prompts are prefilled
       whole: a prompt longer than this runs alone, in a step that admits no other (vLLM refuses
@@ -332,10 +332,7 @@ class EngineConfig:
         None, "hard cap on the engine's GPU memory in GiB, e.g. 24 to emulate an RTX 4090"
     )
     expected_input_len: int = option(
-        4000, "typical prompt tokens: splits KV memory between layer groups"
-    )
-    expected_output_len: int = option(
-        500, "typical output tokens: splits KV memory between layer groups"
+        4000, "typical prompt tokens: a server's prompt tokens per step"
     )
     device: str | None = option(None, "cpu, cuda, cuda:1", shown="cuda if present")
     dtype: Dtype | None = option(

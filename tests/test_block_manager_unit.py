@@ -1,6 +1,6 @@
 """The block manager driven with plain sequences: admission, the shrink after prefill, decode
-growth and freeing, for a whole group and a sparse one; and the prefix cache's blocks: cached,
-shared, counted as free, evicted least recently used."""
+growth and freeing, for a whole group and a sparse one sharing one pool; and the prefix cache's
+blocks: cached, shared, counted as free, evicted least recently used."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from sparse_core.sampling_params import SamplingParams
 from sparse_core.sequence import Sequence
 
 BLOCK = 16
-BLOCKS = [40, 12]  # whole group, sparse group
-SPARSITY = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1)
+BLOCKS = 46  # the pool both groups share
+# Two whole layers and two sparse ones of the tiny model: two KV groups of two layers.
+SPARSITY = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=2)
 
 
-def manager(caching: bool = False) -> BlockManager:
+def manager(caching: bool = False, blocks: int = BLOCKS) -> BlockManager:
     retention = KVRetention.build(
         DUMMY_PRESETS["tiny"], EngineConfig(block_size=BLOCK), SPARSITY, torch.float32
     )
-    return BlockManager(retention, BLOCKS, max_num_seqs=4, max_model_len=512,
+    assert [g.group.layers for g in retention.groups] == [(0, 1), (2, 3)]
+    return BlockManager(retention, blocks, max_num_seqs=4, max_model_len=512,
                         enable_prefix_caching=caching, min_uncached_tokens=8)  # fmt: skip
 
 
@@ -31,7 +33,13 @@ def sequence(name: str, prompt_len: int, **params) -> Sequence:
 
 
 def used(bm: BlockManager) -> list[int]:
-    return [pool.num_used for pool in bm.pools]
+    """Blocks each group uses."""
+    return [bm.pool.num_used_by(g) for g in range(2)]
+
+
+def cached(bm: BlockManager) -> list[int]:
+    """Blocks each group has in the cache."""
+    return [bm.pool.num_cached_by(g) for g in range(2)]
 
 
 def decode(bm: BlockManager, seq: Sequence, steps: int) -> None:
@@ -77,7 +85,7 @@ def test_decode_tokens_take_a_new_block_only_where_the_last_one_is_full():
     bm.check_invariants([seq])
 
 
-def test_freeing_every_sequence_gives_every_pool_back_whole():
+def test_freeing_every_sequence_gives_the_pool_back_whole():
     bm = manager()
     seqs = [sequence(name, n) for name, n in (("a", 100), ("b", 30), ("c", 250))]
     for i, seq in enumerate(seqs):
@@ -90,17 +98,17 @@ def test_freeing_every_sequence_gives_every_pool_back_whole():
         bm.free(seq)
         assert seq.block_tables == [[], []] and seq.kv_lens == [0, 0]
     assert used(bm) == [0, 0]
-    assert [pool.num_free for pool in bm.pools] == BLOCKS
+    assert bm.pool.num_free == BLOCKS
     bm.check_invariants([])
 
 
-def test_admission_is_refused_when_one_group_lacks_the_blocks():
+def test_admission_is_refused_when_the_pool_lacks_the_blocks_of_every_group():
     bm = manager()
-    first = sequence("a", 300)  # whole group: 19 of 40 blocks; sparse: 3 of 12
+    first = sequence("a", 300)  # 19 blocks in the whole group, 3 in the sparse one
     bm.allocate(first)
-    assert bm.can_allocate(sequence("b", 300))  # 19 + 19 <= 40
-    assert not bm.can_allocate(sequence("b", 400))  # 19 + 25 > 40
-    # Chunked, the sparse group must hold the whole prefill: 3 + 19 > 12.
+    assert bm.can_allocate(sequence("b", 300))  # 22 + 22 <= 46
+    assert not bm.can_allocate(sequence("b", 400))  # 22 + 25 + 3 > 46
+    # Chunked, the sparse group holds the whole prefill: 22 + 19 + 19 > 46.
     assert not bm.can_allocate(sequence("b", 300), chunked=True)
 
 
@@ -128,15 +136,15 @@ def test_a_prefill_that_caches_keeps_its_full_blocks_and_a_hit_starts_after_them
     first.num_computed_tokens = 100
     bm.end_prefill(first)
     # Its 6 full blocks stay cached in the sparse group; the whole group still uses them.
-    assert used(bm) == [7, 3] and [pool.num_cached for pool in bm.pools] == [0, 6]
+    assert used(bm) == [7, 3] and cached(bm) == [0, 6]
     # 90 tokens: its 5 full blocks before the 8-token window are cached; it takes 1 more block
-    # and 3 for its kept tokens in the sparse group, of the 9 free there (6 of them cached).
+    # and 3 for its kept tokens in the sparse group.
     second = sequence("b", 90)
     assert bm.num_cached_tokens(second) == 80
     bm.allocate(second)
     assert second.num_computed_tokens == 80 and second.num_cached_tokens == 80
     assert second.block_tables[0][:5] == first.block_tables[0][:5]  # shared in the whole group
-    assert bm.pools[0].refs(first.block_tables[0][0]) == 2
+    assert bm.pool.refs(first.block_tables[0][0]) == 2
     bm.check_invariants([first, second])
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (190, 80)
 
@@ -148,29 +156,30 @@ def ids(start: int, count: int) -> list[int]:
 def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_used_first():
     """A prefix found again (proven) outlives newer ones never found; a miss does not evict a
     cached prefix to cache its own (it runs as without the cache)."""
-    bm = manager(caching=True)
+    bm = manager(caching=True, blocks=30)
     b = prefilled(bm, Sequence("b", ids(500, 64), SamplingParams(), 2))
     bm.free(b)
-    assert [pool.num_free for pool in bm.pools] == BLOCKS  # cached blocks count as free
+    assert bm.pool.num_free == 30  # cached blocks count as free
     idle_admissions(bm, 9)  # b is found again 10 admissions later: nothing expires below 20
     # b's 4 full blocks found again: proven. Its fifth (tokens 64-79) is new, unproven.
     bm.free(prefilled(bm, Sequence("b2", ids(500, 80), SamplingParams(), 2)))
     a = prefilled(bm, Sequence("a", ids(1, 64), SamplingParams(), 2))
     bm.free(a)  # newer than b's, never found again
-    assert [pool.num_cached for pool in bm.pools] == [9, 9]
-    assert bm.pools[1].has_room_for_new_prefix(3) and not bm.pools[1].has_room_for_new_prefix(4)
-    # Two misses of 100 tokens: caching would need 10 sparse blocks where 3 hold no prefix, so
-    # both run without the cache, keeping 3 blocks each: the second evicts 3 cached blocks,
-    # b2's fifth and a's last two (a prefix's tail leaves before its head).
+    assert cached(bm) == [9, 9]
+    assert bm.pool.has_room_for_new_prefix(12) and not bm.pool.has_room_for_new_prefix(13)
+    # Two misses of 100 tokens: caching would need 17 blocks where 12 hold no prefix, so both
+    # run without the cache, taking 10 blocks each: the second evicts 8 cached blocks, never
+    # found: b2's fifth in both groups, then a's, the sparse group's first (released when its
+    # prefill ended), each prefix's tail before its head.
     c, d = (Sequence(n, ids(900 + 200 * i, 100), SamplingParams(), 2) for i, n in enumerate("cd"))
     for seq in (c, d):
         bm.allocate(seq)
         assert not seq.caches_prefill
-    assert bm.pools[1].num_cached == 6
+    assert sum(cached(bm)) == 10
     lookups = {"b": ids(500, 64), "a": ids(1, 64), "b2": ids(500, 80)}
     found = {name: [len(blocks) for blocks in bm.cached_blocks(Sequence(name, tokens,
              SamplingParams(), 2))] for name, tokens in lookups.items()}  # fmt: skip
-    assert found == {"b": [3, 3], "a": [2, 2], "b2": [4, 4]}
+    assert found == {"b": [3, 3], "a": [0, 0], "b2": [4, 4]}
     bm.check_invariants([c, d])
 
 
@@ -198,14 +207,14 @@ def conversation_turns(bm: BlockManager, bases: list[list[int]], turns: int) -> 
 
 def test_conversations_beyond_the_caches_room_keep_the_first_ones_hitting():
     """Six conversations take turns, each turn its previous prompt and 16 more tokens, with
-    room in the sparse group (12 blocks) to cache about two of them. Least-recently-used
-    eviction alone would have every turn evict the prefix asked for next (no hit ever); here
-    the two conversations cached first hit at every later turn, the others run uncached."""
-    bm = manager(caching=True)
+    room in the pool (34 blocks) to cache about three of them. Least-recently-used eviction
+    alone would have every turn evict the prefix asked for next (no hit ever); here the three
+    conversations cached first hit at every later turn, the others run uncached."""
+    bm = manager(caching=True, blocks=34)
     hits = conversation_turns(bm, [ids(1000 * (c + 1), 64) for c in range(6)], 4)
     assert hits[0] == [0] * 6
     for turn in (1, 2, 3):
-        assert min(hits[turn][:2]) >= 32 and hits[turn][2:] == [0] * 4, hits
+        assert min(hits[turn][:3]) >= 48 and hits[turn][3:] == [0] * 3, hits
 
 
 def test_a_prefix_no_longer_asked_for_expires_and_new_conversations_take_its_room():
@@ -213,7 +222,7 @@ def test_a_prefix_no_longer_asked_for_expires_and_new_conversations_take_its_roo
     are younger than twice their reuse interval the new ones run uncached; then the old ones
     expire, and a new one (the room holds one at these lengths) is cached and hits at every
     later turn (without expiry, none ever would)."""
-    bm = manager(caching=True)
+    bm = manager(caching=True, blocks=34)
     first = conversation_turns(bm, [ids(1000, 64), ids(2000, 64)], 4)
     assert all(min(turn) >= 32 for turn in first[1:])
     later = conversation_turns(bm, [ids(3000, 64), ids(4000, 64)], 6)
@@ -222,14 +231,14 @@ def test_a_prefix_no_longer_asked_for_expires_and_new_conversations_take_its_roo
 
 
 def test_a_prefill_without_room_to_cache_runs_as_without_the_cache():
-    bm = manager(caching=True)
-    big = sequence("a", 150)  # caching needs 10 + 3 sparse blocks of 12: no room
+    bm = manager(caching=True, blocks=20)
+    big = sequence("a", 150)  # caching needs 10 + 10 + 3 blocks of 20: no room
     assert bm.can_allocate(big)
     bm.allocate(big)
     assert not big.caches_prefill and big.kv_lens == [150, 40] and used(bm) == [10, 3]
     big.num_computed_tokens = 150
     bm.end_prefill(big)
-    assert [pool.num_cached for pool in bm.pools] == [0, 0]
+    assert cached(bm) == [0, 0]
     bm.check_invariants([big])
 
 
@@ -237,8 +246,7 @@ def test_clearing_the_cache_frees_every_cached_block():
     bm = manager(caching=True)
     bm.free(prefilled(bm, sequence("a", 100)))
     bm.clear_prefix_cache()
-    assert [pool.num_cached for pool in bm.pools] == [0, 0]
+    assert cached(bm) == [0, 0]
     assert bm.num_cached_tokens(sequence("b", 100)) == 0
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
-    for pool in bm.pools:
-        pool.check()
+    bm.pool.check()

@@ -63,13 +63,15 @@ def test_chunked_prompts_generate_what_whole_prompts_do(smollm2_source, name):
     # Decodes rode along with later chunks.
     assert any(r.is_prefill and r.num_decode_seqs for r in engine.step_records)
     engine.check_invariants()
-    assert all(pool.num_free == pool.num_blocks for pool in engine.block_manager.pools)
+    pool = engine.block_manager.pool
+    assert pool.num_free == pool.num_blocks
 
 
 def _tiny(**engine_args) -> LLM:
     return LLM(
         "dummy:tiny",
-        sparsity=SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1),
+        # Two whole layers and two sparse ones: two KV groups of two layers.
+        sparsity=SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=2),
         device="cpu",
         max_model_len=512,
         enable_chunked_prefill=True,
@@ -119,24 +121,27 @@ def test_aborting_a_prompt_between_chunks_frees_its_blocks():
     assert engine.abort("r").finish_reason == "abort"
     assert not engine.has_unfinished
     engine.check_invariants()
-    assert all(pool.num_free == pool.num_blocks for pool in engine.block_manager.pools)
+    pool = engine.block_manager.pool
+    assert pool.num_free == pool.num_blocks
 
 
 def test_a_prompt_longer_than_a_step_needs_room_for_all_its_tokens_in_every_group():
-    """Sparse groups hold a chunked prompt whole until its last chunk: a prompt that fits their
-    pool only compressed cannot be chunked, and says so."""
+    """Sparse groups hold a chunked prompt whole until its last chunk: a prompt that fits the
+    cache only compressed cannot be chunked, and says so."""
     llm = _tiny(max_num_batched_tokens=64, kv_cache_memory_gb=0.0002)
-    sparse = llm.engine.plan.groups[1]
-    pool = llm.engine.block_manager.pools[1].num_blocks
-    too_long = llm.engine.config.block_size * pool + 1  # one token more than the pool holds
-    with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
+    pool = llm.engine.block_manager.pool.num_blocks
+    assert pool == 26  # 0.0002 GiB in blocks of 16 tokens in 2 float32 layers
+    # Chunked, both groups hold every token: 209 tokens take 14 blocks in each.
+    too_long = llm.engine.config.block_size * (pool // 2) + 1
+    with pytest.raises(ValueError, match="needs 28 KV blocks, and the cache has 26"):
         llm.generate([list(range(1, too_long + 1))], SamplingParams(max_tokens=1))
-    # A prompt that fits a step and, compressed, its group, if a preemption would make it
-    # prefill more than the group holds again: its prompt and outputs so far, in chunks.
-    prompt = list(range(1, 51))  # kept 40 + outputs fit the group; staged with them, not
-    with pytest.raises(ValueError, match=f"layer group '{sparse.name}'"):
+    # A prompt that fits a step and, compressed, the cache, if a preemption would make it
+    # prefill more than the cache holds again: its prompt and outputs so far, in chunks.
+    prompt = list(range(1, 51))  # kept 40 + outputs fit; staged with them, not
+    with pytest.raises(ValueError, match="needs 28 KV blocks"):
         llm.generate([prompt], SamplingParams(max_tokens=too_long - 50 + 5))
-    assert llm.generate([prompt], SamplingParams(max_tokens=too_long - 50))
+    # Its last token is never fed: 207 tokens at most, 13 blocks in each group.
+    assert llm.generate([prompt], SamplingParams(max_tokens=too_long - 51))
 
 
 def test_without_chunked_prefill_a_prompt_longer_than_a_step_runs_whole_and_alone():

@@ -1,4 +1,5 @@
-"""Per-group KV pools: what compression buys in admitted sequences, and which layers keep what."""
+"""The KV cache's blocks: what compression buys in admitted sequences, and which layers keep
+what."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ LLAMA3_DEPTH = {"num_hidden_layers": 32}
 PROMPT_LEN = 4000
 
 
-def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, dict]:
+def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, dict[str, int]]:
+    """The most sequences running at once, and then the token-layers each layer group held
+    (blocks used times tokens and layers a block holds)."""
     llm = LLM(
         "dummy:tiny",
         sparsity=sparsity,
@@ -26,7 +29,6 @@ def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, d
         kv_cache_memory_gb=0.15,
         block_size=16,  # the default on CPU, as the block counts below assume
         expected_input_len=PROMPT_LEN,
-        expected_output_len=16,
     )
     engine = llm.engine
     rng = random.Random(0)
@@ -42,22 +44,23 @@ def peak_concurrency(sparsity: SparsityConfig, num_prompts: int) -> tuple[int, d
         if stats.num_running > peak:
             peak, peak_blocks = stats.num_running, stats.kv_blocks
         engine.check_invariants()
-    return peak, peak_blocks
+    per_block = engine.retention.layers_per_block * engine.retention.block_size
+    return peak, {name: blocks["used"] * per_block for name, blocks in peak_blocks.items()}
 
 
 def test_snapkv_admits_four_times_as_many_4000_token_sequences_as_dense():
-    dense, dense_blocks = peak_concurrency(SparsityConfig(policy="dense"), 8)
-    sparse, sparse_blocks = peak_concurrency(
+    dense, dense_held = peak_concurrency(SparsityConfig(policy="dense"), 8)
+    sparse, sparse_held = peak_concurrency(
         SparsityConfig(policy="snapkv", budget=512, window=32, full_layers=3), 8 * 5
     )
     assert dense >= 2
     assert sparse >= 4 * dense, (dense, sparse)
     # The block usage that explains it: dense holds every prompt token in all 32 layers; the
-    # sparse engine holds them in its 3 full layers and 512 of them in the other 29.
-    per_seq_dense = cdiv(PROMPT_LEN + 4, 16)
-    assert dense_blocks["full"]["used"] <= dense * per_seq_dense
-    assert sparse_blocks["budget512"]["used"] <= sparse * cdiv(512 + 4, 16)
-    assert sparse_blocks["full"]["used"] >= sparse * cdiv(PROMPT_LEN, 16)
+    # sparse engine holds them in its 3 full layers and 512 of them in the other 29 (in blocks
+    # of 3 layers: 30 layer slots).
+    assert dense_held["full"] <= dense * 32 * 16 * cdiv(PROMPT_LEN + 4, 16)
+    assert sparse_held["budget512"] <= sparse * 30 * 16 * cdiv(512 + 4, 16)
+    assert sparse_held["full"] >= sparse * 3 * PROMPT_LEN
 
 
 def test_a_sparse_layer_holds_its_budget_and_every_token_generated_after_it():
@@ -79,19 +82,22 @@ def test_full_layers_list_keeps_exactly_those_layers_whole():
         max_model_len=1024,
         kv_cache_memory_gb=0.02,
     )
-    plan = llm.engine.plan
+    engine = llm.engine
+    plan = engine.retention.layer_plan
     assert [g.name for g in plan.groups] == ["full", "budget48"]
     assert plan.groups[0].layers == (1, 3, 6)
     assert plan.groups[1].layers == (0, 2, 4, 5, 7)
-    engine = llm.engine
+    # 3 and 5 layers: blocks of one layer, eight KV groups.
+    kv_groups = engine.plan.groups
+    assert [g.name for g in kv_groups] == ["full"] * 3 + ["budget48"] * 5
     engine.add_request("a", list(range(1, 301)), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()  # prefill: compress-on-write happens here
     usage = engine.stats().kv_blocks
-    assert usage["full"]["used"] == cdiv(300, 16)
-    assert usage["budget48"]["used"] == cdiv(48, 16)  # never held the whole prompt
+    assert usage["full"]["used"] == 3 * cdiv(300, 16)
+    assert usage["budget48"]["used"] == 5 * cdiv(48, 16)  # never held the whole prompt
     # Each layer's cache: full layers hold the prompt's 300 tokens, the others only 48.
     seq = engine.sequences["a"]
-    assert seq.kv_lens == [300, 48]
+    assert seq.kv_lens == [300 if g.whole else 48 for g in kv_groups]
     while engine.has_unfinished:
         engine.step()
 
@@ -106,7 +112,7 @@ def test_pyramid_budgets_decrease_with_depth_in_a_few_tiers():
         max_model_len=1024,
         kv_cache_memory_gb=0.02,
     )
-    groups = llm.engine.plan.groups
+    groups = llm.engine.retention.layer_plan.groups
     budgets = [g.budget for g in groups[1:]]
     assert groups[0].layers == (0, 1)
     assert len(budgets) == 3 and budgets == sorted(budgets, reverse=True)

@@ -7,8 +7,11 @@ turn, then each decodes its 200 tokens, then all end. The server's order differs
 comes back as soon as its answer ends), so these rates are not the server's; they separate the
 rules. Measured on an H100 after a unique-prompt load on the same server: plain LRU cached 69%
 at 32 conversations and 0% at 64; a rule that cached a new prefix only into blocks that never held
-one, 32.9% and 2.0%. In this model those two give 62.9% / 0.0% and 43.3% / 23.7%, and the
-expiry rule (BlockPool) 60.7% / 24.6%: the tests below fail for either earlier rule.
+one, 32.9% and 2.0%. In this model, with a pool per layer group sized for unique prompts, those
+two gave 62.9% / 0.0% and 43.3% / 23.7%, and the expiry rule (BlockPool) 60.7% / 24.6%; with one
+pool every group shares (KVRetention), the expiry rule gives 68.4% / 56.7%: a cached prefix's
+sparse layers no longer wait for room in a pool sized for kept tokens. The tests below fail for
+either earlier rule, and for separate pools.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import pytest
 import torch
 
 from sparse_core.cache.block_manager import BlockManager
-from sparse_core.cache.memory import split_kv_memory
 from sparse_core.cache.retention import KVRetention
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.models.config import DUMMY_PRESETS
@@ -36,8 +38,7 @@ CONVERSATIONS, TURNS, FIRST_TURN, PER_TURN, ANSWER = 64, 4, 2100, 300, 200
 
 def engine_blocks() -> BlockManager:
     retention = KVRetention.build(DUMMY_PRESETS["llama3-8b"], CONFIG, SPARSITY, torch.bfloat16)
-    blocks = split_kv_memory(retention, KV_BYTES, 4000, 500)
-    return BlockManager(retention, blocks, max_num_seqs=256, max_model_len=8192,
+    return BlockManager(retention, retention.num_blocks(KV_BYTES), max_num_seqs=256, max_model_len=8192,
                         enable_prefix_caching=True, min_uncached_tokens=SPARSITY.window)  # fmt: skip
 
 
@@ -46,7 +47,7 @@ def serve(bm: BlockManager, prompts: list[list[int]], output_len: int) -> int:
     the prompt tokens found cached."""
     running = []
     for i, prompt in enumerate(prompts):
-        seq = Sequence(str(i), prompt, SamplingParams(), len(bm.pools))
+        seq = Sequence(str(i), prompt, SamplingParams(), len(bm.groups))
         assert bm.can_allocate(seq)
         bm.allocate(seq)
         seq.num_computed_tokens = seq.prefill_len
@@ -87,9 +88,9 @@ def hit_rates() -> dict[int, float]:
 
 def test_chats_that_fit_keep_the_hits_of_lru(hit_rates):
     # A turn finds the previous prompt's full blocks: at most 7,040 of 10,200 tokens (69.0%).
-    assert hit_rates[32] >= 0.55, hit_rates
+    assert hit_rates[32] >= 0.65, hit_rates
 
 
 def test_more_chats_than_the_cache_holds_keep_the_first_ones_hitting(hit_rates):
-    # About 29 of the 64 conversations fit beside the running sequences' kept tokens.
-    assert hit_rates[64] >= 0.20, hit_rates
+    # Most of the 64 conversations' prefixes fit beside the running sequences' kept tokens.
+    assert hit_rates[64] >= 0.50, hit_rates

@@ -1,12 +1,11 @@
-"""What a layer group's cache holds of a sequence (KVRetention), and the memory split it drives."""
+"""What a KV group's cache holds of a sequence (KVRetention), and the shared block it sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sparse_core.cache.memory import split_kv_memory
-from sparse_core.cache.retention import KVRetention
+from sparse_core.cache.retention import KVRetention, layers_per_block
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.models.config import DUMMY_PRESETS
 
@@ -21,7 +20,7 @@ def retention(
 
 
 def test_a_whole_group_holds_every_token_at_every_stage():
-    (whole, _) = retention().groups
+    whole = retention().groups[0]
     assert whole.group.budget is None and whole.group.layers == (0,)
     assert whole.tokens_at_admission(100) == whole.tokens_at_admission(100, chunked=True) == 100
     assert whole.tokens_after_prefill(100, 7) == 107
@@ -31,8 +30,8 @@ def test_a_whole_group_holds_every_token_at_every_stage():
 
 
 def test_a_sparse_group_holds_its_budget_after_prefill_and_the_whole_prefill_in_chunks():
-    (_, sparse) = retention().groups
-    assert sparse.group.budget == 40 and sparse.group.layers == (1, 2, 3)
+    sparse = retention().groups[1]
+    assert sparse.group.budget == 40 and sparse.group.layers == (1,)
     assert sparse.tokens_at_admission(100) == 40  # compressed as it is written
     assert sparse.tokens_at_admission(100, chunked=True) == 100  # the last chunk scores them all
     assert sparse.tokens_after_prefill(100) == 40
@@ -44,15 +43,34 @@ def test_a_sparse_group_holds_its_budget_after_prefill_and_the_whole_prefill_in_
     assert sparse.blocks(sparse.tokens_after_prefill(100)) == 3
 
 
-def test_bytes_per_token_follow_the_kv_dtype_the_layers_and_the_ranks_heads():
+def test_a_block_holds_as_many_layers_as_the_smallest_group_with_little_padding():
+    # 1 whole layer and 3 sparse ones: blocks of one layer, four KV groups.
+    r = retention()
+    assert r.layers_per_block == 1
+    assert [(g.group.name, g.group.layers) for g in r.groups] == [
+        ("full", (0,)), ("budget40", (1,)), ("budget40", (2,)), ("budget40", (3,))
+    ]  # fmt: skip
+    assert r.plan.layer_to_group == (0, 1, 2, 3) and r.plan.full_layers == [0]
+    # 2 and 2: two groups of two layers.
+    two = retention(SparsityConfig(policy="snapkv", budget=40, full_layers=2))
+    assert two.layers_per_block == 2 and [g.group.layers for g in two.groups] == [(0, 1), (2, 3)]
+    # The Llama-3-8B shape: 3 whole layers and 29 sparse ones in 11 KV groups of 3 (the last
+    # sparse one of 2); 10 and 22 in 16 of 2; a group of 1 makes every block one layer.
+    assert layers_per_block([3, 29]) == 3
+    assert layers_per_block([10, 22]) == 2
+    assert layers_per_block([1, 31]) == 1
+    assert layers_per_block([32]) == 32
+
+
+def test_a_blocks_bytes_follow_the_kv_dtype_its_layers_and_the_ranks_heads():
     bf16 = retention()
     assert bf16.kv_dtype == torch.bfloat16
     assert bf16.bytes_per_token_per_layer == 2 * 2 * 16 * 2  # K and V, 2 heads, 16 dims, 2 bytes
-    assert [g.bytes_per_token for g in bf16.groups] == [128, 3 * 128]
-    assert [g.block_bytes for g in bf16.groups] == [128 * 16, 3 * 128 * 16]
+    assert bf16.block_bytes == 128 * 16  # one layer of 16 tokens
     fp8 = retention(kv_cache_dtype="fp8")
-    assert fp8.kv_dtype == torch.float8_e4m3fn
-    assert [g.bytes_per_token for g in fp8.groups] == [64, 3 * 64]
+    assert fp8.kv_dtype == torch.float8_e4m3fn and fp8.block_bytes == 64 * 16
+    dense = retention(SparsityConfig(policy="dense"))
+    assert dense.layers_per_block == 4 and dense.block_bytes == 4 * 128 * 16
     assert retention(tensor_parallel_size=2).bytes_per_token_per_layer == 64  # one head a rank
     assert retention(dtype=torch.float32, kv_cache_dtype="fp8").bytes_per_token_per_layer == 64
 
@@ -62,19 +80,9 @@ def test_a_dense_config_has_one_whole_group_of_every_layer():
     assert whole.group.layers == (0, 1, 2, 3) and whole.tokens_after_prefill(500) == 500
 
 
-def test_the_memory_split_fills_every_group_at_the_same_number_of_typical_requests():
+def test_the_cache_is_cut_into_blocks_every_group_shares_and_refused_below_two_a_group():
     r = retention()
-    total = 2**22
-    blocks = split_kv_memory(r, total, expected_input_len=1000, expected_output_len=100)
-    # A typical request holds 1100 tokens in the whole group and 140 in the sparse one.
-    typical = [g.blocks(g.tokens_after_prefill(1000, 100)) for g in r.groups]
-    fits = [b / t for b, t in zip(blocks, typical, strict=True)]
-    assert max(fits) / min(fits) < 1.05, (blocks, typical)
-    assert sum(b * g.block_bytes for b, g in zip(blocks, r.groups, strict=True)) <= total
-    fp8 = split_kv_memory(retention(kv_cache_dtype="fp8"), total, 1000, 100)
-    assert [f / b for f, b in zip(fp8, blocks, strict=True)] == pytest.approx([2, 2], rel=0.01)
-
-
-def test_the_memory_split_refuses_a_cache_too_small_for_two_blocks_a_group():
-    with pytest.raises(ValueError, match=r"too small.*\['full', 'budget40'\]"):
-        split_kv_memory(retention(), 8 * 2**10, 1000, 100)
+    assert r.num_blocks(2**20) == 2**20 // (128 * 16)
+    with pytest.raises(ValueError, match=r"too small.*4 KV groups.*\['budget40', 'full'\]"):
+        r.num_blocks(7 * 128 * 16)
+    assert r.num_blocks(8 * 128 * 16) == 8

@@ -50,7 +50,6 @@ def test_random_workload_keeps_every_pool_consistent(name, chunked, caching):
         # Small enough that decode growth forces preemptions.
         kv_cache_memory_gb=0.0006,
         expected_input_len=150,
-        expected_output_len=20,
         enable_prefix_caching=caching,
     )
     engine = llm.engine
@@ -94,8 +93,8 @@ def test_random_workload_keeps_every_pool_consistent(name, chunked, caching):
         assert out.finish_reason in ("stop", "length")
         assert len(out.token_ids) >= 1
         assert out.first_token_time is not None
-    for pool in engine.block_manager.pools:
-        assert pool.num_free == pool.num_blocks
+    pool = engine.block_manager.pool
+    assert pool.num_free == pool.num_blocks
     hits = engine.block_manager.prefix_cache_hits
     if not caching:
         assert hits == 0

@@ -17,28 +17,29 @@ from sparse_core.sequence import Sequence, SequenceStatus
 
 BLOCK = 16
 DENSE = SparsityConfig(policy="dense")
-SNAPKV = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1)
+# Two whole layers, two sparse: two KV groups of two layers.
+SNAPKV = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=2)
 
 
 def scheduler(
-    blocks: list[int] | None = None,
+    blocks: int | None = None,
     sparsity: SparsityConfig = DENSE,
     min_last_chunk: int = 1,
     **engine_args,
 ) -> Scheduler:
-    """A scheduler over a BlockManager of `blocks` per group (dense: one group; SNAPKV: the
-    whole layer, then the sparse ones), for the tiny model's layer plan."""
+    """A scheduler over a BlockManager of `blocks` (64 a group if not given; dense: one group
+    of every layer; SNAPKV: the whole layers, then the sparse ones), for the tiny model."""
     engine_args = {"max_model_len": 256, "max_num_seqs": 8, **engine_args}
     config = EngineConfig(block_size=BLOCK, **engine_args)
     retention = KVRetention.build(DUMMY_PRESETS["tiny"], config, sparsity, torch.float32)
-    blocks = blocks or [64] * len(retention.groups)
+    blocks = blocks or 64 * len(retention.groups)
     manager = BlockManager(retention, blocks, config.max_num_seqs, config.max_model_len)
     return Scheduler(config, manager, min_last_chunk)
 
 
 def add(sched: Scheduler, *prompt_lens: int, **params) -> list[Sequence]:
     """Sequences with prompts of these lengths, waiting in this order."""
-    num_groups = len(sched.block_manager.pools)
+    num_groups = len(sched.block_manager.groups)
     seqs = []
     for length in prompt_lens:
         seq = Sequence(f"s{len(sched.waiting)}", [5] * length, SamplingParams(**params), num_groups)
@@ -67,7 +68,9 @@ def run(sched: Scheduler) -> ScheduledStep:
 
 
 def used(sched: Scheduler) -> list[int]:
-    return [pool.num_used for pool in sched.block_manager.pools]
+    """Blocks each KV group uses."""
+    manager = sched.block_manager
+    return [manager.pool.num_used_by(g) for g in range(len(manager.groups))]
 
 
 def check(sched: Scheduler) -> None:
@@ -119,17 +122,17 @@ def test_prompts_fill_the_step_token_budget_first_come_first_served():
 
 
 def test_kv_blocks_decide_how_many_prompts_are_admitted():
-    sched = scheduler(blocks=[20])
+    sched = scheduler(blocks=20)
     seqs = add(sched, 100, 100, 100)  # 7 blocks each: two fit in 20
     assert sched.schedule().prefills == seqs[:2]
     assert used(sched) == [14] and list(sched.waiting) == seqs[2:]
     check(sched)
 
 
-def test_the_sparse_group_holds_only_the_budget_and_the_fullest_group_decides():
-    """The whole layer has room for five 100-token prompts (7 blocks each of 40), the sparse
-    layers, which keep 40 tokens (3 blocks each of 12), for four: four run at once."""
-    sched = scheduler(blocks=[40, 12], sparsity=SNAPKV, min_last_chunk=8)
+def test_the_sparse_group_holds_only_the_budget_of_the_pool_both_share():
+    """A 100-token prompt takes 7 blocks in the whole group and 3 in the sparse one, which
+    keeps 40 tokens: four of six fit in 40 blocks (two would, dense)."""
+    sched = scheduler(blocks=40, sparsity=SNAPKV, min_last_chunk=8)
     seqs = add(sched, *[100] * 6)
     step = run(sched)
     assert step.prefills == seqs[:4]
@@ -142,7 +145,7 @@ def test_the_sparse_group_holds_only_the_budget_and_the_fullest_group_decides():
 
 
 def test_a_full_group_preempts_the_newest_sequence_and_frees_its_blocks():
-    sched = scheduler(blocks=[7])
+    sched = scheduler(blocks=7)
     a, b, c = add(sched, 32, 32, 32, max_tokens=50)  # two full blocks each: one block left
     run(sched)
     assert used(sched) == [6]
@@ -160,7 +163,7 @@ def test_a_full_group_preempts_the_newest_sequence_and_frees_its_blocks():
 
 
 def test_a_sequence_alone_without_room_is_preempted_rather_than_waited_on():
-    sched = scheduler(blocks=[2])
+    sched = scheduler(blocks=2)
     (seq,) = add(sched, 32, max_tokens=50)
     run(sched)
     step = sched.schedule()  # no block for its 33rd token, and no newer one to preempt
@@ -197,7 +200,7 @@ def test_the_last_chunk_keeps_the_observation_window():
 
 def test_a_chunked_prompt_holds_every_token_until_its_last_chunk():
     sched = scheduler(
-        blocks=[40, 12],
+        blocks=40,
         sparsity=SNAPKV,
         min_last_chunk=8,
         enable_chunked_prefill=True,
@@ -279,7 +282,7 @@ def test_nothing_goes_ahead_while_a_prompt_is_prefilled_in_chunks():
 
 
 def test_nothing_goes_ahead_that_would_preempt_and_nothing_changes():
-    sched = scheduler(blocks=[4])
+    sched = scheduler(blocks=4)
     a, b = add(sched, 31, 31, max_tokens=10)
     run(sched)
     in_flight, wanted = launch(sched)  # 32 tokens each: two full blocks, and none free

@@ -49,7 +49,7 @@ class RunResult:
     num_preemptions: int
     # Of the prefill tokens admitted (the warm-up's included), those found in the prefix cache.
     prefix_cache_hit_rate: float
-    kv_blocks: dict[str, int]  # blocks per layer group
+    kv_blocks: int  # the KV cache's blocks, shared by every layer group
     kv_cache_gib: float
     # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
     # included) plus what the process holds outside it at the end of the run (the CUDA context;
@@ -194,15 +194,9 @@ def run_one(
         prefix_cache_hit_rate=round(stats.prefix_cache_hits / stats.prefix_cache_queries, 3)
         if stats.prefix_cache_queries
         else 0.0,
-        kv_blocks={g: b["total"] for g, b in stats.kv_blocks.items()},
+        kv_blocks=engine.block_manager.pool.num_blocks,
         kv_cache_gib=round(
-            sum(
-                b["total"] * len(g.layers) * engine.config.block_size
-                for g, b in zip(engine.plan.groups, stats.kv_blocks.values(), strict=True)
-            )
-            * engine.retention.bytes_per_token_per_layer
-            / 2**30,
-            2,
+            engine.block_manager.pool.num_blocks * engine.retention.block_bytes / 2**30, 2
         ),
         peak_gpu_memory_gib=None if peak_memory is None else round(peak_memory / 2**30, 2),
         prefill_s_per_4k_tokens=round(
@@ -260,7 +254,6 @@ BENCH_DEFAULTS = {
     "max_model_len": 4608,
     "full_layers": 3,
     "expected_input_len": Default(None, "--input-len"),
-    "expected_output_len": Default(None, "--output-len"),
 }
 
 
@@ -294,7 +287,6 @@ def run_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig, Spars
     --budget and --full-layers; `auto` lays --profile-model's calibrated shape onto --model."""
     engine_values = config_values(args, EngineConfig)
     engine_values.setdefault("expected_input_len", args.input_len)
-    engine_values.setdefault("expected_output_len", args.output_len)
     config = EngineConfig(**engine_values)
     values = config_values(args, SparsityConfig)
     cap = f"cap {args.gpu_memory_limit_gb:g}G" if args.gpu_memory_limit_gb else "uncapped"

@@ -1,7 +1,8 @@
-"""Blocks of every layer group for every sequence: admission, growth, freeing, invariants."""
+"""Blocks of every KV group for every sequence: admission, growth, freeing, invariants."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -14,22 +15,31 @@ from sparse_core.sequence import Sequence
 @dataclass
 class _Admission:
     cached: list[list[int]]  # per group: the cached blocks the prefill starts from
-    new_blocks: list[int]  # per group: blocks it allocates
+    new_blocks: int  # blocks it allocates, in every group together
     caches: bool  # whether the prefill caches (see BlockManager)
 
 
-class BlockManager:
-    """Owns the pools, and a host-side mirror of every running sequence's block tables; how
-    many tokens each group holds of a sequence, it asks the group's retention.
+def _tail_first(tables: list[list[int]]) -> list[int]:
+    """The blocks of several tables, the last of each first: a prefix cached in every group
+    is then evicted from its tail in all of them before its head in any, so what stays is a
+    prefix every group still has."""
+    columns = itertools.zip_longest(*(table[::-1] for table in tables))
+    return [block for column in columns for block in column if block is not None]
 
-    The mirror (one int32 row per running sequence and group) changes only when a block is
-    allocated, so a decode step gathers its block tables with one indexing op per group instead
+
+class BlockManager:
+    """Owns the block pool the KV groups share, and a host-side mirror of every running
+    sequence's block tables; how many tokens each group holds of a sequence, it asks the
+    group's retention.
+
+    The mirror (one int32 row per group and running sequence) changes only when a block is
+    allocated, so a decode step gathers every group's block tables with one indexing op instead
     of converting Python lists for every sequence.
 
     With `enable_prefix_caching`, a prefill that has room for it *caches*: every group holds all
     of its tokens (the KV of every layer, as a chunked prefill does) and a compressing group
     writes the kept tokens to blocks of their own, so that at the prefill's end its full blocks
-    stay in the pools as cached blocks (`BlockPool`) while each group keeps what it keeps. A
+    stay in the pool as cached blocks (`BlockPool`) while each group keeps what it keeps. A
     later prefill whose first full blocks are cached in every group starts after them: whole
     groups share the cached blocks, and compressing groups read them when they score and gather
     the prompt, then keep their own selection. A prefill without room for that caches nothing
@@ -40,7 +50,7 @@ class BlockManager:
     def __init__(
         self,
         retention: KVRetention,
-        blocks_per_group: list[int],
+        num_blocks: int,
         max_num_seqs: int,
         max_model_len: int,
         enable_prefix_caching: bool = False,
@@ -51,13 +61,11 @@ class BlockManager:
         whole prompt)."""
         self.groups = retention.groups
         self.block_size = retention.block_size
-        self.pools = [BlockPool(n) for n in blocks_per_group]
+        self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.min_uncached_tokens = min_uncached_tokens
         width = cdiv(max_model_len, self.block_size)
-        self.host_tables = [
-            torch.zeros((max_num_seqs, width), dtype=torch.int32) for _ in blocks_per_group
-        ]
+        self.host_tables = torch.zeros((len(self.groups), max_num_seqs, width), dtype=torch.int32)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         # Prefill tokens asked for and found in the cache, over every admission (vLLM's prefix
         # cache queries and hits).
@@ -71,10 +79,10 @@ class BlockManager:
         its first full blocks that every group has, leaving at least `min_uncached_tokens` to
         compute (empty lists when caching is off)."""
         if not self.enable_prefix_caching:
-            return [[] for _ in self.pools]
+            return [[] for _ in self.groups]
         usable = max(seq.num_prefill_tokens - self.min_uncached_tokens, 0) // self.block_size
         hashes = self._block_hashes(seq, usable)
-        found = [pool.cached_prefix(hashes) for pool in self.pools]
+        found = [self.pool.cached_prefix(hashes, g) for g in range(len(self.groups))]
         common = min(map(len, found))
         return [blocks[:common] for blocks in found]
 
@@ -86,13 +94,13 @@ class BlockManager:
             prefix_hashes(seq.token_ids[: num_blocks * bs], bs, seq.block_hashes)
         return seq.block_hashes[:num_blocks]
 
-    def _new_blocks(self, seq: Sequence, chunked: bool, num_cached: int | None) -> list[int]:
-        """Per group, the blocks an admission takes: caching (num_cached: tokens found in the
-        cache) or not (None)."""
+    def _new_blocks(self, seq: Sequence, chunked: bool, num_cached: int | None) -> int:
+        """The blocks an admission takes in every group together: caching (num_cached: tokens
+        found in the cache) or not (None)."""
         n = seq.num_prefill_tokens
         if num_cached is None:
-            return [g.blocks(g.tokens_at_admission(n, chunked)) for g in self.groups]
-        return [g.caching_admission_blocks(n, num_cached) for g in self.groups]
+            return sum(g.blocks(g.tokens_at_admission(n, chunked)) for g in self.groups)
+        return sum(g.caching_admission_blocks(n, num_cached) for g in self.groups)
 
     def _admission(self, seq: Sequence, chunked: bool) -> _Admission:
         """How `seq` would be admitted now: caching when caching is on and every group has room
@@ -103,23 +111,19 @@ class BlockManager:
             caching = _Admission(cached, new, caches=True)
             if self._fits(caching):
                 return caching
-        none: list[list[int]] = [[] for _ in self.pools]
+        none: list[list[int]] = [[] for _ in self.groups]
         return _Admission(none, self._new_blocks(seq, chunked, None), caches=False)
 
     def _fits(self, admission: _Admission) -> bool:
-        """Room in every group for the new blocks, beside the cached ones it takes out of the
-        cache (they no longer count as free). A prefill that would cache without having found
-        anything caches only into blocks that hold no live cached prefix (`BlockPool`): a new
-        prefix does not displace the cached ones still asked for."""
-        new_prefix = admission.caches and not admission.cached[0]
-        return all(
-            pool.has_room_for_new_prefix(new)
-            if new_prefix
-            else new + sum(pool.refs(b) == 0 for b in cached) <= pool.num_free
-            for new, cached, pool in zip(
-                admission.new_blocks, admission.cached, self.pools, strict=True
-            )
-        )
+        """Room for the new blocks, beside the cached ones it takes out of the cache (they no
+        longer count as free). A prefill that would cache without having found anything caches
+        only into blocks that hold no live cached prefix (`BlockPool`): a new prefix does not
+        displace the cached ones still asked for."""
+        pool, new = self.pool, admission.new_blocks
+        if admission.caches and not admission.cached[0]:
+            return pool.has_room_for_new_prefix(new)
+        reused = sum(pool.refs(b) == 0 for cached in admission.cached for b in cached)
+        return new + reused <= pool.num_free
 
     def num_cached_tokens(self, seq: Sequence, chunked: bool = False) -> int:
         """Prefill tokens an admission of `seq` now would find in the cache."""
@@ -131,27 +135,28 @@ class BlockManager:
     def allocate(self, seq: Sequence, chunked: bool = False) -> None:
         """Admit `seq`: its blocks in every group, and its prefill set to start after the
         tokens found in the cache (`seq.num_computed_tokens`)."""
-        for pool in self.pools:
-            pool.tick()
+        pool = self.pool
+        pool.tick()
         admission = self._admission(seq, chunked)
         seq.caches_prefill = admission.caches
         n = seq.prefill_len = seq.num_prefill_tokens
         num_cached = len(admission.cached[0]) * self.block_size
         seq.table_row = self._free_rows.pop()
-        for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
+        # Every group's cached blocks taken before any allocates: none evicts another's.
+        pool.take_cached([b for cached in admission.cached for b in cached])
+        for g, group in enumerate(self.groups):
             cached = admission.cached[g]
-            pool.take_cached(cached)
             if admission.caches:
                 # Every prefill token, the cached ones shared; the kept ones of a compressing
                 # group in blocks of their own.
-                table = cached + pool.allocate(group.blocks(n) - len(cached))
+                table = cached + pool.allocate(group.blocks(n) - len(cached), g)
                 if group.compresses(n):
                     kept = group.tokens_after_prefill(n)
-                    seq.kept_tables[g] = pool.allocate(group.blocks(kept))
+                    seq.kept_tables[g] = pool.allocate(group.blocks(kept), g)
                 seq.kv_lens[g] = n
             else:
                 held = group.tokens_at_admission(n, chunked)
-                table = pool.allocate(group.blocks(held))
+                table = pool.allocate(group.blocks(held), g)
                 seq.kv_lens[g] = held
             seq.block_tables[g] = table
             self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
@@ -167,8 +172,7 @@ class BlockManager:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached block (none may be in use) and the hit counts."""
-        for pool in self.pools:
-            pool.clear_cache()
+        self.pool.clear_cache()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
     def end_prefill(self, seq: Sequence) -> None:
@@ -180,45 +184,42 @@ class BlockManager:
         more already."""
         n = seq.prefill_len
         hashes = self._block_hashes(seq, n // self.block_size) if seq.caches_prefill else []
-        for g, (group, pool) in enumerate(zip(self.groups, self.pools, strict=True)):
+        released: list[list[int]] = []
+        for g, group in enumerate(self.groups):
             kept = group.tokens_after_prefill(n)
             table = seq.block_tables[g]
-            pool.register(table, hashes)
+            self.pool.register(table, hashes, g)
             kept_table = seq.kept_tables[g]
             if kept_table is not None:
-                pool.free(table[::-1])  # a prefix's tail is evicted before its head
+                released.append(table)
                 seq.block_tables[g] = table = kept_table
                 seq.kept_tables[g] = None
                 self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
             else:
                 num_blocks = group.blocks(kept)
-                pool.free(table[num_blocks:])
+                released.append(table[num_blocks:])
                 del table[num_blocks:]
             seq.kv_lens[g] = kept
+        self.pool.free(_tail_first(released))
         seq.caches_prefill = False
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for one more token in every group (a new block where the last one is full)."""
-        return all(
-            kv_len % self.block_size or pool.num_free >= 1
-            for pool, kv_len in zip(self.pools, seq.kv_lens, strict=True)
-        )
+        return self.can_append_all([seq])
 
     def can_append_all(self, seqs: list[Sequence]) -> bool:
         """Room for one more token of every one of the sequences, in every group."""
-        return all(
-            sum(seq.kv_lens[g] % self.block_size == 0 for seq in seqs) <= pool.num_free
-            for g, pool in enumerate(self.pools)
-        )
+        bs = self.block_size
+        new = sum(kv_len % bs == 0 for seq in seqs for kv_len in seq.kv_lens)
+        return new <= self.pool.num_free
 
     def append_slots(self, seq: Sequence) -> list[int]:
         """Reserve the next slot in every group for the token being decoded; returns the slots."""
         slots = []
-        for g, pool in enumerate(self.pools):
+        for g, table in enumerate(seq.block_tables):
             pos = seq.kv_lens[g]
-            table = seq.block_tables[g]
             if pos // self.block_size == len(table):
-                table += pool.allocate(1)
+                table += self.pool.allocate(1, g)
                 self.host_tables[g][seq.table_row, len(table) - 1] = table[-1]
             slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
             seq.kv_lens[g] = pos + 1
@@ -227,42 +228,45 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (those of a prefill that caches stay in the cache only
         once it has ended: a prefill cut short wrote no KV anyone can trust)."""
-        for pool, blocks, kept in zip(self.pools, seq.block_tables, seq.kept_tables, strict=True):
-            # Last first: a cached prefix's tail is evicted before the head other prompts share.
-            pool.free((blocks + (kept or []))[::-1])
+        # A cached prefix's tail is evicted before the head other prompts share.
+        tables = zip(seq.block_tables, seq.kept_tables, strict=True)
+        held = [blocks + (kept or []) for blocks, kept in tables]
+        self.pool.free(_tail_first(held))
         self._free_rows.append(seq.table_row)
         seq.reset_cache_state()
 
-    def batch_tables(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Per group, the sequences' block tables as one padded int32 [B, max blocks] tensor."""
+    def batch_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The sequences' block tables in every group: int32 [groups, B, most blocks], each
+        padded."""
         rows = torch.tensor([seq.table_row for seq in seqs])
-        return [
-            table[rows, : max(len(seq.block_tables[g]) for seq in seqs)]
-            for g, table in enumerate(self.host_tables)
-        ]
+        width = max(len(table) for seq in seqs for table in seq.block_tables)
+        return self.host_tables[:, rows, :width]
 
     def usage(self) -> dict[str, dict[str, int]]:
-        """Per group: total, used, free (cached blocks count as free) and cached blocks."""
-        return {
-            group.group.name: {
-                "total": pool.num_blocks,
-                "used": pool.num_used,
-                "free": pool.num_free,
-                "cached": pool.num_cached,
-            }
-            for group, pool in zip(self.groups, self.pools, strict=True)
-        }
+        """Per layer group (its KV groups together): the used and cached blocks it holds, and
+        the pool's total and free blocks (cached ones count as free), shared by every group."""
+        pool = self.pool
+        usage: dict[str, dict[str, int]] = {}
+        for g, group in enumerate(self.groups):
+            blocks = usage.setdefault(
+                group.group.name,
+                {"total": pool.num_blocks, "used": 0, "free": pool.num_free, "cached": 0},
+            )
+            blocks["used"] += pool.num_used_by(g)
+            blocks["cached"] += pool.num_cached_by(g)
+        return usage
 
     def check_invariants(self, live: list[Sequence]) -> None:
-        """Every pool balanced, and each block is used by exactly as many live sequences as
-        hold it (once each)."""
-        for g, pool in enumerate(self.pools):
-            pool.check()
-            owners: dict[int, int] = {}
+        """The pool balanced, and each block is used by exactly as many live sequences as hold
+        it (once each)."""
+        pool = self.pool
+        pool.check()
+        owners: dict[int, int] = {}
+        for g in range(len(self.groups)):
             for seq in live:
                 blocks = seq.block_tables[g] + (seq.kept_tables[g] or [])
                 assert len(blocks) == len(set(blocks)), f"group {g}: a sequence holds a block twice"
                 for block in blocks:
                     owners[block] = owners.get(block, 0) + 1
-            used = {b: pool.refs(b) for b in range(pool.num_blocks) if pool.refs(b)}
-            assert owners == used, f"group {g}: used blocks and owners disagree"
+        used = {b: pool.refs(b) for b in range(pool.num_blocks) if pool.refs(b)}
+        assert owners == used, "used blocks and owners disagree"

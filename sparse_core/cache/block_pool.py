@@ -1,7 +1,9 @@
-"""A pool of fixed-size KV blocks for one layer group, with its prefix cache.
+"""The pool of fixed-size KV blocks every KV group draws on, with its prefix cache.
 
-A block is free, used (referenced by one or more sequences), or cached: it holds the KV of a
-full block of prompt tokens, known by its hash (`prefix_hash`), and no sequence uses it. Cached
+A block belongs to one KV group while it is used or cached (a block id names the same memory
+in every group: `KVRetention`). It is free, used (referenced by one or more sequences), or
+cached: it holds the KV of a full block of prompt tokens in its group, known by the group and
+the block's hash (`prefix_hashes`), and no sequence uses it. Cached
 blocks count as free: allocation takes truly free blocks first, then evicts cached ones, so the
 cache only ever holds memory that no sequence needs. A used block with a hash stays findable,
 and sequences that share a prefix share its blocks.
@@ -26,6 +28,7 @@ from array import array
 from collections import OrderedDict, deque
 
 BlockHash = bytes
+CacheKey = tuple[int, BlockHash]  # (KV group, prefix hash)
 # Weight of each hit's idle ticks in their running average.
 REUSE_EMA = 0.25
 
@@ -48,8 +51,11 @@ class BlockPool:
         # Unused, hashed blocks, least recently used first: never found again, and found again.
         self._unproven: OrderedDict[int, None] = OrderedDict()
         self._proven: OrderedDict[int, None] = OrderedDict()
-        self._hash_of: dict[int, BlockHash] = {}
-        self._block_of: dict[BlockHash, int] = {}
+        self._key_of: dict[int, CacheKey] = {}
+        self._block_of: dict[CacheKey, int] = {}
+        self._group_of: dict[int, int] = {}  # used and cached blocks: their KV group
+        self._used_per_group: dict[int, int] = {}
+        self._cached_per_group: dict[int, int] = {}
         self._found: set[int] = set()  # hashed blocks a prefill has found (used or cached)
         # Expiry: the clock (admissions), when each cached block was last released, and the
         # average idle ticks of the cached blocks prefills found (None before the first).
@@ -85,6 +91,17 @@ class BlockPool:
     def num_used(self) -> int:
         return len(self._refs)
 
+    def num_used_by(self, group: int) -> int:
+        """Used blocks of one KV group."""
+        return self._used_per_group.get(group, 0)
+
+    def num_cached_by(self, group: int) -> int:
+        """Cached blocks of one KV group."""
+        return self._cached_per_group.get(group, 0)
+
+    def _count(self, counts: dict[int, int], group: int, change: int) -> None:
+        counts[group] = counts.get(group, 0) + change
+
     @property
     def num_cached(self) -> int:
         """Cached blocks no sequence uses (part of `num_free`)."""
@@ -93,7 +110,8 @@ class BlockPool:
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
 
-    def allocate(self, count: int) -> list[int]:
+    def allocate(self, count: int, group: int) -> list[int]:
+        """`count` blocks for KV group `group`."""
         if count > self.num_free:
             raise RuntimeError(f"pool has {self.num_free} free blocks, {count} requested")
         blocks = []
@@ -102,11 +120,14 @@ class BlockPool:
                 block = self._free.popleft()
             else:  # a cached block leaves the cache: expired, then unproven, then proven
                 block, _ = self._victim().popitem(last=False)
-                del self._block_of[self._hash_of.pop(block)]
+                del self._block_of[self._key_of.pop(block)]
                 del self._idle_since[block]
                 self._found.discard(block)
+                self._count(self._cached_per_group, self._group_of[block], -1)
             self._refs[block] = 1
+            self._group_of[block] = group
             blocks.append(block)
+        self._count(self._used_per_group, group, count)
         return blocks
 
     def _victim(self) -> OrderedDict[int, None]:
@@ -127,20 +148,24 @@ class BlockPool:
                 self._refs[block] = refs - 1
                 continue
             del self._refs[block]
-            if block in self._hash_of:
+            group = self._group_of[block]
+            self._count(self._used_per_group, group, -1)
+            if block in self._key_of:
                 (self._proven if block in self._found else self._unproven)[block] = None
                 self._idle_since[block] = self._clock
+                self._count(self._cached_per_group, group, 1)
             else:
+                del self._group_of[block]
                 self._free.append(block)
 
     # -- the prefix cache ----------------------------------------------------------------------
 
-    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
-        """The blocks holding the longest prefix of `hashes` that the pool has (changes
-        nothing)."""
+    def cached_prefix(self, hashes: list[BlockHash], group: int) -> list[int]:
+        """KV group `group`'s blocks holding the longest prefix of `hashes` that the pool has
+        (changes nothing)."""
         blocks = []
         for block_hash in hashes:
-            block = self._block_of.get(block_hash)
+            block = self._block_of.get((group, block_hash))
             if block is None:
                 break
             blocks.append(block)
@@ -158,19 +183,23 @@ class BlockPool:
             else:
                 (self._unproven if block in self._unproven else self._proven).pop(block)
                 self._refs[block] = 1
+                group = self._group_of[block]
+                self._count(self._cached_per_group, group, -1)
+                self._count(self._used_per_group, group, 1)
                 idle.append(self._clock - self._idle_since.pop(block))
         if idle:
             mean, ttl = sum(idle) / len(idle), self._reuse_ticks
             self._reuse_ticks = mean if ttl is None else ttl + REUSE_EMA * (mean - ttl)
 
-    def register(self, blocks: list[int], hashes: list[BlockHash]) -> None:
-        """Make used blocks findable by their prefix hashes (a hash some block has already
-        keeps that block; a block keeps its first hash)."""
+    def register(self, blocks: list[int], hashes: list[BlockHash], group: int) -> None:
+        """Make KV group `group`'s used blocks findable by their prefix hashes (a hash the
+        group has a block for already keeps that block; a block keeps its first hash)."""
         for block, block_hash in zip(blocks, hashes, strict=False):
-            if block_hash in self._block_of or block in self._hash_of:
+            key = (group, block_hash)
+            if key in self._block_of or block in self._key_of:
                 continue
-            self._hash_of[block] = block_hash
-            self._block_of[block_hash] = block
+            self._key_of[block] = key
+            self._block_of[key] = block
 
     def clear_cache(self) -> None:
         """Every cached block back to the free list, every hash forgotten (no block in use)."""
@@ -180,9 +209,11 @@ class BlockPool:
             cached.clear()
         self._idle_since.clear()
         self._reuse_ticks = None
-        self._hash_of.clear()
+        self._key_of.clear()
         self._block_of.clear()
         self._found.clear()
+        self._group_of.clear()
+        self._cached_per_group.clear()
 
     def check(self) -> None:
         """Free, used and cached blocks partition the pool; the hash maps agree; every cached
@@ -194,10 +225,17 @@ class BlockPool:
         cached = unproven | proven
         assert not free & used and not free & cached and not used & cached, "a block is twice"
         assert proven <= self._found and not unproven & self._found, "misfiled cached block"
-        assert self._found <= set(self._hash_of), "a found block without a hash"
+        assert self._found <= set(self._key_of), "a found block without a hash"
         assert len(free) + len(used) + len(cached) == self.num_blocks, "blocks leaked"
         assert all(refs > 0 for refs in self._refs.values())
-        assert cached <= set(self._hash_of), "a cached block without a hash"
+        assert cached <= set(self._key_of), "a cached block without a hash"
         assert set(self._idle_since) == cached, "idle times and cached blocks disagree"
-        assert not free & set(self._hash_of), "a free block with a hash"
-        assert {self._block_of[h]: h for h in self._hash_of.values()} == self._hash_of
+        assert not free & set(self._key_of), "a free block with a hash"
+        assert {self._block_of[k]: k for k in self._key_of.values()} == self._key_of
+        assert set(self._group_of) == used | cached, "a used or cached block without a group"
+        assert all(self._key_of[b][0] == self._group_of[b] for b in self._key_of), "key's group"
+        for counts, blocks in ((self._used_per_group, used), (self._cached_per_group, cached)):
+            actual: dict[int, int] = {}
+            for block in blocks:
+                self._count(actual, self._group_of[block], 1)
+            assert {g: n for g, n in counts.items() if n} == actual, "per-group counts drift"

@@ -1,9 +1,17 @@
-"""What each layer group's KV cache holds of a sequence: tokens, blocks and bytes, on one rank.
+"""What each KV group's cache holds of a sequence: tokens, blocks and bytes, on one rank.
 
-One `GroupRetention` per layer group (the way vLLM gives each KV cache group a spec) holds the
+Every group shares one pool of blocks (vLLM's hybrid KV cache, one page size for every group):
+a block holds `layers_per_block` layers' K and V of `block_size` tokens, so the layer plan's
+groups are cut into *KV groups* of at most that many layers, each with its own block table.
+Whole and sparse layers then draw on the same memory, as a workload needs it: a prefix cache
+holds a prompt's full KV in every layer while a running sequence holds its kept tokens, and no
+start-up split between groups strands memory one of them needs (docs/architecture.md, "The KV
+cache").
+
+One `GroupRetention` per KV group (the way vLLM gives each KV cache group a spec) holds the
 rule of a sequence's life in that group, which the block manager (allocation, the shrink after
-prefill), the request checker (could it ever fit), the memory split (blocks per group) and the
-model runner (which prompts a step compresses) ask instead of deriving it:
+prefill), the request checker (could it ever fit) and the model runner (which prompts a step
+compresses) ask instead of deriving it:
 
 - at admission the group holds the prefill whole while it runs in chunks (the last chunk scores
   every token), and only its kept tokens for a whole prefill (compressed as it is written);
@@ -18,6 +26,7 @@ dtype; a new retention shape (decode-time eviction, say) changes this file.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -27,20 +36,45 @@ from sparse_core.kernels.fp8 import FP8_DTYPE
 from sparse_core.models.config import ModelConfig
 from sparse_core.policy import LayerGroup, LayerPlan, plan_layers
 
+# Most of a block's layers that may go unused: a KV group of fewer layers than a block holds
+# leaves the rest of each of its blocks empty.
+MAX_PADDED_LAYERS = 1 / 16
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def layers_per_block(group_sizes: list[int]) -> int:
+    """The most layers a block can hold, at most the smallest group's, with at most
+    MAX_PADDED_LAYERS of every block's layer slots left empty (3 whole and 29 sparse layers: 3,
+    in 11 KV groups; 10 and 22: 2, in 16)."""
+    total = sum(group_sizes)
+    for size in range(min(group_sizes), 1, -1):
+        padded = sum(cdiv(n, size) * size for n in group_sizes)
+        if padded - total <= total * MAX_PADDED_LAYERS:
+            return size
+    return 1
+
+
+def split_plan(plan: LayerPlan, size: int) -> LayerPlan:
+    """The plan with every group cut into groups of at most `size` layers (same name and
+    budget), each a KV group with a block table of its own."""
+    groups: list[LayerGroup] = []
+    layer_to_group = list(plan.layer_to_group)
+    for group in plan.groups:
+        for start in range(0, len(group.layers), size):
+            layers = group.layers[start : start + size]
+            for layer in layers:
+                layer_to_group[layer] = len(groups)
+            groups.append(dataclasses.replace(group, layers=layers))
+    return dataclasses.replace(plan, groups=tuple(groups), layer_to_group=tuple(layer_to_group))
 
 
 @dataclass(frozen=True)
 class GroupRetention:
     group: LayerGroup  # its name, layers and budget (None: whole)
     block_size: int  # tokens per block
-    bytes_per_token: int  # K and V of one token in every layer of the group, on one rank
-
-    @property
-    def block_bytes(self) -> int:
-        return self.bytes_per_token * self.block_size
 
     def compresses(self, num_prefill_tokens: int) -> bool:
         """Whether the group keeps fewer tokens than a prefill of this length feeds."""
@@ -81,17 +115,36 @@ class GroupRetention:
 
 @dataclass(frozen=True)
 class KVRetention:
-    """Every layer group's retention, and the cache's dtype, for one rank."""
+    """Every KV group's retention, and the cache's dtype and block shape, for one rank."""
 
-    plan: LayerPlan
-    groups: tuple[GroupRetention, ...]
+    layer_plan: LayerPlan  # the sparsity config's layer groups
+    plan: LayerPlan  # layer_plan cut into KV groups (`split_plan`), one per block table
+    groups: tuple[GroupRetention, ...]  # one per KV group, as plan.groups
     kv_dtype: torch.dtype
     bytes_per_token_per_layer: int  # K and V of one token in one layer, on one rank
+    layers_per_block: int
 
     @property
     def block_size(self) -> int:
         """Tokens per block, the same in every group."""
         return self.groups[0].block_size
+
+    @property
+    def block_bytes(self) -> int:
+        """One block: K and V of `block_size` tokens in `layers_per_block` layers."""
+        return self.bytes_per_token_per_layer * self.layers_per_block * self.block_size
+
+    def num_blocks(self, kv_cache_bytes: int) -> int:
+        """Blocks a KV cache of this many bytes holds; at least two a group."""
+        blocks = kv_cache_bytes // self.block_bytes
+        if blocks < 2 * len(self.groups):
+            raise ValueError(
+                f"KV cache of {kv_cache_bytes / 2**30:.3f} GiB is too small: it holds {blocks} "
+                f"blocks of {self.block_size} tokens in {self.layers_per_block} layers, and "
+                f"the {len(self.groups)} KV groups of layer groups "
+                f"{sorted({g.group.name for g in self.groups})} need at least two each"
+            )
+        return blocks
 
     @classmethod
     def build(
@@ -105,11 +158,11 @@ class KVRetention:
         model's, which the cache takes unless kv_cache_dtype is FP8. Under tensor parallelism a
         rank caches its share of the KV heads."""
         assert config.block_size is not None, "EngineConfig.on_device fills block_size"
-        plan = plan_layers(sparsity, model.num_hidden_layers, model.name)
+        layer_plan = plan_layers(sparsity, model.num_hidden_layers, model.name)
+        size = layers_per_block([len(g.layers) for g in layer_plan.groups])
+        plan = split_plan(layer_plan, size)
         kv_dtype = FP8_DTYPE if config.fp8_kv_cache else dtype
         kv_heads = model.num_key_value_heads // config.tensor_parallel_size
         per_layer = 2 * kv_heads * model.head_dim * kv_dtype.itemsize
-        groups = tuple(
-            GroupRetention(g, config.block_size, len(g.layers) * per_layer) for g in plan.groups
-        )
-        return cls(plan, groups, kv_dtype, per_layer)
+        groups = tuple(GroupRetention(g, config.block_size) for g in plan.groups)
+        return cls(layer_plan, plan, groups, kv_dtype, per_layer, size)

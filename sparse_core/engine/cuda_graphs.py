@@ -42,7 +42,7 @@ class DecodeBatch:
     input_ids: list[int] | torch.Tensor  # a tensor: already on the device (launched ahead)
     positions: list[int]
     slots: list[list[int]]  # per group, per sequence
-    block_tables: list[torch.Tensor]  # per group: int32 [B, max blocks] on the host
+    block_tables: torch.Tensor  # int32 [groups, B, most blocks] on the host
     context_lens: list[list[int]]  # per group, per sequence
 
 
@@ -115,10 +115,9 @@ class DecodeGraphs:
         else:
             copy_into(self.input_ids[:batch], step.input_ids)
         copy_into(self.positions[:batch], step.positions)
-        for g, tables in enumerate(step.block_tables):
-            copy_into(self.tables[g, :batch, : tables.shape[1]], tables)
-            copy_into(self.slots[g, :batch], step.slots[g])
-            copy_into(self.lens[g, :batch], step.context_lens[g])
+        copy_into(self.tables[:, :batch, : step.block_tables.shape[2]], step.block_tables)
+        copy_into(self.slots[:, :batch], step.slots)
+        copy_into(self.lens[:, :batch], step.context_lens)
         # Padding rows: no write, one token of context.
         self.slots[:, batch:bucket].fill_(-1)
         self.lens[:, batch:bucket].fill_(1)

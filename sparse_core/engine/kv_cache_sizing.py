@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_core.cache.memory import split_kv_memory
 from sparse_core.config import EngineConfig
 from sparse_core.engine.cuda_graphs import decode_graph_bytes
 from sparse_core.engine.gpu_memory import gpu_memory_outside_torch
@@ -28,9 +27,9 @@ LATE_RUNTIME_BYTES = 64 * 2**20
 REFIT_SLACK_BYTES = 256 * 2**20
 
 
-def start_kv_cache(runner: ModelRunner, config: EngineConfig, vocab_size: int) -> list[int]:
+def start_kv_cache(runner: ModelRunner, config: EngineConfig, vocab_size: int) -> int:
     """Profile the largest step's activations, capture the prefill graphs, then size, allocate
-    and fit the KV cache (with the decode graphs over it); returns the blocks per group.
+    and fit the KV cache (with the decode graphs over it); returns its blocks.
     `vocab_size`: the model's, for the decode graphs' estimate."""
     # The activation profile runs eagerly, before any graph exists.
     activations = _profile_activations(runner, config)
@@ -51,27 +50,22 @@ def _sized_by_gpu_memory(runner: ModelRunner, config: EngineConfig) -> bool:
     return config.kv_cache_memory_gb is None and runner.device.type == "cuda"
 
 
-def _allocate_kv_cache(runner: ModelRunner, config: EngineConfig, kv_bytes: int) -> list[int]:
-    """The KV cache of `kv_bytes` split into the groups' blocks, allocated, then the decode
-    graphs over it captured; returns the blocks per group."""
-    blocks = split_kv_memory(
-        runner.retention, kv_bytes, config.expected_input_len, config.expected_output_len
-    )
+def _allocate_kv_cache(runner: ModelRunner, kv_bytes: int) -> int:
+    """The KV cache of `kv_bytes` allocated in blocks, then the decode graphs over it captured;
+    returns its blocks."""
+    blocks = runner.retention.num_blocks(kv_bytes)
     runner.allocate_kv_cache(blocks)
     runner.capture_decode_graphs()
     return blocks
 
 
-def fit_kv_cache(
-    runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int
-) -> list[int]:
+def fit_kv_cache(runner: ModelRunner, config: EngineConfig, kv_bytes: int, activations: int) -> int:
     """Allocate the KV cache sized at start-up; if the process then holds more GPU memory than
     its limit leaves beside the largest step's `activations`, or less by over
     REFIT_SLACK_BYTES (what the allocator reuses, and the decode graphs, are estimates),
     allocate it once more, corrected by the difference, so that the whole process, CUDA
-    context included, fits the limit as it would a card of that size. Returns the blocks per
-    group."""
-    blocks = _allocate_kv_cache(runner, config, kv_bytes)
+    context included, fits the limit as it would a card of that size. Returns its blocks."""
+    blocks = _allocate_kv_cache(runner, kv_bytes)
     if not _sized_by_gpu_memory(runner, config):  # the allocator stays uncapped
         return blocks
     limit = gpu_memory_limit(runner, config)
@@ -89,8 +83,8 @@ def _refit_kv_cache(
     kv_bytes: int,
     activations: int,
     limit: float,
-    blocks: list[int],
-) -> list[int]:
+    blocks: int,
+) -> int:
     """The cache allocated again, by how far the process is from its limit, if it is over it
     or under it by more than REFIT_SLACK_BYTES; else `blocks` as they are."""
     device = runner.device
@@ -108,7 +102,7 @@ def _refit_kv_cache(
         room / 2**30,
     )
     runner.release_kv_cache()
-    return _allocate_kv_cache(runner, config, kv_bytes + room)
+    return _allocate_kv_cache(runner, kv_bytes + room)
 
 
 def gpu_memory_limit(runner: ModelRunner, config: EngineConfig) -> float:

@@ -52,7 +52,9 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
-    kv_blocks: dict[str, dict[str, int]]  # group -> {"total", "used", "free", "cached"}
+    # Layer group -> {"total", "used", "free", "cached"}: the blocks its KV groups use and
+    # cache, and the pool's total and free blocks, which every group shares.
+    kv_blocks: dict[str, dict[str, int]]
     # This process's peak on the GPU since it started, CUDA context included; None off CUDA.
     gpu_memory_peak_bytes: int | None = None
     # Prefill tokens admissions asked for, and found in the prefix cache, since the start.
@@ -61,10 +63,10 @@ class EngineStats:
 
     @property
     def kv_used_fraction(self) -> float:
-        """KV blocks in use, of the fullest layer group (admission needs room in every group)."""
-        return max(
-            (g["used"] / g["total"] for g in self.kv_blocks.values() if g["total"]), default=0.0
-        )
+        """KV blocks in use, of all the pool's."""
+        groups = self.kv_blocks.values()
+        total = max((g["total"] for g in groups), default=0)
+        return sum(g["used"] for g in groups) / total if total else 0.0
 
 
 class LLMEngine:
@@ -147,11 +149,15 @@ class LLMEngine:
             self._warm_up_prefix_hits()
         self.gpu_memory = PeakGpuMemoryMeter(self.runner.device)
         logger.info(
-            "engine ready: model %s on %s (%s), groups %s",
+            "engine ready: model %s on %s (%s), %d KV blocks of %d tokens in %d layers, "
+            "KV groups %s",
             source.config.name,
             self.runner.device,
             self.runner.dtype,
-            {g.name: (len(g.layers), n) for g, n in zip(self.plan.groups, blocks, strict=True)},
+            blocks,
+            self.retention.block_size,
+            self.retention.layers_per_block,
+            [f"{g.name}:{len(g.layers)}" for g in self.plan.groups],
         )
 
     def _warm_up_prefix_hits(self) -> None:

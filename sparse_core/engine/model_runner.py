@@ -125,19 +125,22 @@ class ModelRunner:
     # each first sends itself to the other ranks (sparse_core/distributed/every_rank.py).
 
     @every_rank
-    def allocate_kv_cache(self, blocks_per_group: list[int]) -> None:
-        cfg = self.model.config
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """K and V caches of `num_blocks` blocks in each of a block's layer slots; every KV
+        group's i-th layer uses slot i, so a block id names the same memory in every group
+        (KVRetention)."""
+        retention = self.retention
+        shape = (
+            2,
+            retention.layers_per_block,
+            num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.model.config.head_dim,
+        )
+        cache = torch.zeros(shape, dtype=retention.kv_dtype, device=self.device)
         attns = self.model.attention_layers
-        for group, num_blocks in zip(self.retention.plan.groups, blocks_per_group, strict=True):
-            shape = (
-                2,
-                len(group.layers),
-                num_blocks,
-                self.block_size,
-                self.num_kv_heads,
-                cfg.head_dim,
-            )
-            cache = torch.zeros(shape, dtype=self.retention.kv_dtype, device=self.device)
+        for group in retention.plan.groups:
             for i, layer in enumerate(group.layers):
                 attns[layer].k_cache, attns[layer].v_cache = cache[0, i], cache[1, i]
 
@@ -270,18 +273,14 @@ class ModelRunner:
         )
 
     def _decode_metadata(self, batch: DecodeBatch) -> DecodeMetadata:
+        slots = self._tensor(batch.slots)
+        tables = to_device(batch.block_tables, torch.int32, self.device)
+        # int32 as in the decode graphs' buffers: one compiled kernel for both
+        lens = self._tensor(batch.context_lens, torch.int32)
         return DecodeMetadata(
             [
-                DecodeGroupMetadata(
-                    slot_mapping=self._tensor(slots),
-                    block_tables=to_device(tables, torch.int32, self.device),
-                    # int32 as in the decode graphs' buffers: one compiled kernel for both
-                    context_lens=self._tensor(lens, torch.int32),
-                    max_context_len=max(lens),
-                )
-                for slots, tables, lens in zip(
-                    batch.slots, batch.block_tables, batch.context_lens, strict=True
-                )
+                DecodeGroupMetadata(slots[g], tables[g], lens[g], max(batch.context_lens[g]))
+                for g in range(len(batch.slots))
             ]
         )
 
@@ -361,7 +360,7 @@ class ModelRunner:
             input_ids=[0] * rows,
             positions=[0] * rows,
             slots=[[-1] * rows for _ in range(num_groups)],
-            block_tables=[torch.zeros((rows, 1), dtype=torch.int32) for _ in range(num_groups)],
+            block_tables=torch.zeros((num_groups, rows, 1), dtype=torch.int32),
             context_lens=[[1] * rows for _ in range(num_groups)],
         )
         # Counted as what the step makes the allocator reserve, not only what it allocates: the

@@ -18,7 +18,7 @@ class RequestChecker:
     vocab_size: int
     max_model_len: int
     retention: KVRetention
-    blocks_per_group: list[int]
+    num_blocks: int  # the pool's, shared by every KV group
     longest_whole_prefill: int  # EngineConfig's: a longer prefill goes in chunks
 
     def make_sequence(
@@ -70,12 +70,10 @@ class RequestChecker:
             longest_prefill = min(len(seq) + seq.params.max_tokens, self.max_model_len) - 1
         chunked = longest_prefill if longest_prefill > self.longest_whole_prefill else 0
         later = len(seq) - prefill + seq.params.max_tokens
-        for group, num_blocks in zip(self.retention.groups, self.blocks_per_group, strict=True):
-            need = group.blocks(group.peak_tokens(prefill, later, chunked))
-            if need > num_blocks:
-                return (
-                    f"the prompt plus max_tokens needs {need} KV blocks in layer group "
-                    f"{group.group.name!r}, whose pool has {num_blocks}; shorten the request or "
-                    f"raise kv_cache_memory_gb"
-                )
+        need = sum(g.blocks(g.peak_tokens(prefill, later, chunked)) for g in self.retention.groups)
+        if need > self.num_blocks:
+            return (
+                f"the prompt plus max_tokens needs {need} KV blocks, and the cache has "
+                f"{self.num_blocks}; shorten the request or raise kv_cache_memory_gb"
+            )
         return None

@@ -180,10 +180,7 @@ def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: Mo
         # Loaded once for the whole sweep: dequantising costs more than building an engine.
         model_source=source,
         max_model_len=min(length + 64, source.config.max_position_embeddings),
-        # Split KV memory between layer groups for these prompts (answers are short), and size
-        # layer_budgets="auto" for them.
         expected_input_len=length,
-        expected_output_len=64,
         max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_gb=settings.kv_cache_memory_gb,
         device=settings.device,

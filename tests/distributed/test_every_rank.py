@@ -38,12 +38,11 @@ def runner_and_ranks() -> tuple[ModelRunner, RecordingRanks]:
 def test_rank_0_sends_each_operation_to_the_workers_with_its_arguments(runner_and_ranks):
     runner, ranks = runner_and_ranks
     ranks.calls.clear()
-    groups = len(runner.retention.groups)
-    runner.allocate_kv_cache([4] * groups)
+    runner.allocate_kv_cache(4)
     runner.capture_decode_graphs()  # nothing to capture on CPU: still sent, every rank decides
     runner.release_kv_cache()
     assert ranks.calls == [
-        ("allocate_kv_cache", ([4] * groups,)),
+        ("allocate_kv_cache", (4,)),
         ("capture_decode_graphs", ()),
         ("release_kv_cache", ()),
     ]

@@ -89,7 +89,7 @@ def _serve_one(prompt: list[int], kv_cache_dtype: str) -> float:
             [lp for _, lp in entry.top], abs=LOGPROB_TOLERANCE
         )
     # vLLM's block count, through its stat logger, on the server's own gauge.
-    free = re.search(r'kvsparse_kv_blocks_free\{[^}]*group="vllm"[^}]*\} ([0-9.e+]+)', metrics)
+    free = re.search(r"kvsparse_kv_blocks_free\{[^}]*\} ([0-9.e+]+)", metrics)
     assert free is not None and float(free[1]) > 0, metrics
     return float(free[1])
 
