@@ -45,7 +45,6 @@ class Sequence:
     prompt_kv_lens: list[int] = field(default_factory=list)
     # Per layer group: the tokens its cache held when the sequence finished (kv_lens then).
     final_kv_lens: list[int] = field(default_factory=list)
-    decode_slots: list[int] = field(default_factory=list)  # per group: where the next token goes
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
     num_scheduled_tokens: int = 0  # tokens the current step feeds: a prefill (chunk), or one
     prefill_len: int = 0  # num_prefill_tokens when last admitted: what its (re)prefill feeds

@@ -45,7 +45,7 @@ def cached(bm: BlockManager) -> list[int]:
 def decode(bm: BlockManager, seq: Sequence, steps: int) -> None:
     for _ in range(steps):
         assert bm.can_append(seq)
-        seq.decode_slots = bm.append_slots(seq)
+        bm.append_slot(seq)
 
 
 def test_a_whole_prefill_takes_only_the_kept_blocks_in_a_sparse_group():
@@ -81,7 +81,12 @@ def test_decode_tokens_take_a_new_block_only_where_the_last_one_is_full():
     decode(bm, seq, 1)
     assert seq.kv_lens == [109, 49] and used(bm) == [7, 4]
     # Slots are where the token goes: block * size + offset, in each group's own blocks.
-    assert seq.decode_slots == [seq.block_tables[0][6] * BLOCK + 12, seq.block_tables[1][3] * BLOCK]
+    lens = torch.tensor([seq.kv_lens], dtype=torch.int32).T
+    slots = bm.batch_slots(bm.batch_tables([seq]), lens)
+    assert slots.tolist() == [
+        [seq.block_tables[0][6] * BLOCK + 12],
+        [seq.block_tables[1][3] * BLOCK],
+    ]
     bm.check_invariants([seq])
 
 

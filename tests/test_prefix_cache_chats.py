@@ -56,7 +56,7 @@ def serve(bm: BlockManager, prompts: list[list[int]], output_len: int) -> int:
     for seq in running:
         for _ in range(output_len):
             assert bm.can_append(seq)
-            bm.append_slots(seq)
+            bm.append_slot(seq)
     for seq in running:
         bm.free(seq)
     bm.check_invariants([])

@@ -213,17 +213,17 @@ class BlockManager:
         new = sum(kv_len % bs == 0 for seq in seqs for kv_len in seq.kv_lens)
         return new <= self.pool.num_free
 
-    def append_slots(self, seq: Sequence) -> list[int]:
-        """Reserve the next slot in every group for the token being decoded; returns the slots."""
-        slots = []
-        for g, table in enumerate(seq.block_tables):
-            pos = seq.kv_lens[g]
-            if pos // self.block_size == len(table):
+    def append_slot(self, seq: Sequence) -> None:
+        """Room for the token being decoded in every group: one more token held, in a new
+        block where the last one is full. Its slot is the last of what each group holds
+        (`batch_slots`)."""
+        bs, kv_lens = self.block_size, seq.kv_lens
+        for g, pos in enumerate(kv_lens):
+            if pos % bs == 0:
+                table = seq.block_tables[g]
                 table += self.pool.allocate(1, g)
-                self.host_tables[g][seq.table_row, len(table) - 1] = table[-1]
-            slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-            seq.kv_lens[g] = pos + 1
-        return slots
+                self.host_tables[g, seq.table_row, len(table) - 1] = table[-1]
+        kv_lens[:] = [pos + 1 for pos in kv_lens]
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (those of a prefill that caches stay in the cache only
@@ -239,8 +239,15 @@ class BlockManager:
         """The sequences' block tables in every group: int32 [groups, B, most blocks], each
         padded."""
         rows = torch.tensor([seq.table_row for seq in seqs])
-        width = max(len(table) for seq in seqs for table in seq.block_tables)
+        width = max(max(map(len, seq.block_tables)) for seq in seqs)
         return self.host_tables[:, rows, :width]
+
+    def batch_slots(self, tables: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
+        """The slots of the sequences' last held tokens (int64 [groups, B]), from their
+        `batch_tables` and their tokens held in every group (int [groups, B])."""
+        last = kv_lens.long() - 1
+        blocks = tables.gather(2, (last // self.block_size).unsqueeze(2)).squeeze(2)
+        return blocks.long() * self.block_size + last % self.block_size
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per layer group (its KV groups together): the used and cached blocks it holds, and

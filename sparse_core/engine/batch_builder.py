@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from sparse_core.engine.cuda_graphs import DecodeBatch
 
 if TYPE_CHECKING:
-    import torch
-
     from sparse_core.cache.block_manager import BlockManager
     from sparse_core.cache.retention import KVRetention
     from sparse_core.engine.scheduler import ScheduledStep
@@ -142,11 +142,13 @@ class BatchBuilder:
         block_manager: BlockManager,
         input_ids: torch.Tensor | None = None,
     ) -> DecodeBatch:
-        num_groups = len(self.retention.groups)
+        tables = block_manager.batch_tables(seqs)
+        # Every group's tokens held, the one decoded now included: [groups, B].
+        context_lens = torch.tensor([seq.kv_lens for seq in seqs], dtype=torch.int32).T
         return DecodeBatch(
             input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
             positions=[seq.num_computed_tokens for seq in seqs],
-            slots=[[seq.decode_slots[g] for seq in seqs] for g in range(num_groups)],
-            block_tables=block_manager.batch_tables(seqs),
-            context_lens=[[seq.kv_lens[g] for seq in seqs] for g in range(num_groups)],
+            slots=block_manager.batch_slots(tables, context_lens),
+            block_tables=tables,
+            context_lens=context_lens.contiguous(),
         )

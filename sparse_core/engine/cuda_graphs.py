@@ -41,9 +41,10 @@ class DecodeBatch:
 
     input_ids: list[int] | torch.Tensor  # a tensor: already on the device (launched ahead)
     positions: list[int]
-    slots: list[list[int]]  # per group, per sequence
-    block_tables: torch.Tensor  # int32 [groups, B, most blocks] on the host
-    context_lens: list[list[int]]  # per group, per sequence
+    slots: torch.Tensor  # int64 [groups, B]: where each sequence's new token goes
+    block_tables: torch.Tensor  # int32 [groups, B, most blocks]
+    context_lens: torch.Tensor  # int32 [groups, B]: tokens held, the new one included
+    # (all three on the host)
 
 
 class DecodeGraphs:

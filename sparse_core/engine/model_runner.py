@@ -277,10 +277,11 @@ class ModelRunner:
         tables = to_device(batch.block_tables, torch.int32, self.device)
         # int32 as in the decode graphs' buffers: one compiled kernel for both
         lens = self._tensor(batch.context_lens, torch.int32)
+        longest = batch.context_lens.max(dim=1).values.tolist()
         return DecodeMetadata(
             [
-                DecodeGroupMetadata(slots[g], tables[g], lens[g], max(batch.context_lens[g]))
-                for g in range(len(batch.slots))
+                DecodeGroupMetadata(slots[g], tables[g], lens[g], longest[g])
+                for g in range(len(longest))
             ]
         )
 
@@ -359,9 +360,9 @@ class ModelRunner:
         decode = DecodeBatch(
             input_ids=[0] * rows,
             positions=[0] * rows,
-            slots=[[-1] * rows for _ in range(num_groups)],
+            slots=torch.full((num_groups, rows), -1),
             block_tables=torch.zeros((num_groups, rows, 1), dtype=torch.int32),
-            context_lens=[[1] * rows for _ in range(num_groups)],
+            context_lens=torch.ones((num_groups, rows), dtype=torch.int32),
         )
         # Counted as what the step makes the allocator reserve, not only what it allocates: the
         # allocator is capped at its reserved bytes (kv_cache_sizing.fit_kv_cache), and a step's

@@ -150,7 +150,7 @@ class Scheduler:
         if not self.block_manager.can_append_all(seqs):
             return None
         for seq in seqs:
-            seq.decode_slots = self.block_manager.append_slots(seq)
+            self.block_manager.append_slot(seq)
             seq.num_scheduled_tokens = 1
         admitted = self._admit_spaced(self.max_num_batched_tokens, bool(seqs), [])
         return ScheduledStep(admitted, list(seqs))
@@ -292,7 +292,7 @@ class Scheduler:
                     self._preempt(seq)
                     break
             else:
-                seq.decode_slots = self.block_manager.append_slots(seq)
+                self.block_manager.append_slot(seq)
                 seq.num_scheduled_tokens = 1
                 kept.append(seq)
                 decodes.append(seq)

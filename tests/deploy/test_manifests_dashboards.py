@@ -53,7 +53,7 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r'"[^"]*"', '""', expr)  # label values
     expr = re.sub(r"\{[^}]*\}", "", expr)  # matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
-    expr = re.sub(r"\b(by|on|ignoring|without)\s*\([^)]*\)", "", expr)
+    expr = re.sub(r"\b(by|on|ignoring|without|group_left|group_right)\s*\([^)]*\)", "", expr)
     names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr)) - PROMQL_WORDS
     return {n for n in names if not n.startswith("humanize")}
 
