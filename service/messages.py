@@ -70,7 +70,7 @@ class Chunk:
 class RoutingStats:
     """What a replica tells the router (see service/router.py)."""
 
-    kv_free_fraction: float  # of the fullest layer group: admission needs room in every group
+    kv_free_fraction: float  # of the KV cache's blocks
     kv_per_request_fraction: float  # KV one more request is expected to take
     num_running: int
     num_waiting: int

@@ -57,8 +57,8 @@ DEFINITIONS = [
     MetricDef("gauge", "vllm:num_requests_running", "Requests in the running batch."),
     MetricDef("gauge", "vllm:num_requests_waiting", "Requests waiting for KV memory or a slot."),
     MetricDef("gauge", "vllm:kv_cache_usage_perc",
-              "KV cache usage, 1 = full: of the fullest layer group (admission needs room in "
-              "every group)."),
+              "KV cache usage, 1 = full: the blocks in use, of the pool every layer group "
+              "shares."),
     MetricDef("counter", "vllm:num_preemptions_total",
               "Sequences preempted for lack of KV memory (recomputed later)."),
     MetricDef("counter", "vllm:request_success_total",

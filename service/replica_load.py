@@ -4,7 +4,7 @@
 
 Polls the Prometheus text of a Ray node until interrupted (SIGINT), then writes and prints, per
 engine replica: requests finished meanwhile, the most requests running and waiting at once, the
-highest KV use of its fullest layer group, and its engine process's peak GPU memory (on a GPU).
+highest KV use, and its engine process's peak GPU memory (on a GPU).
 Samples where one replica ran nothing while another had requests waiting are counted: the
 KV-capacity router should leave none.
 """
@@ -27,7 +27,7 @@ READ = {
     "ray_vllm_num_requests_running": "num_requests_running",
     "ray_vllm_num_requests_waiting": "num_requests_waiting",
     "ray_vllm_request_success_total": "requests_finished_total",
-    "ray_vllm_kv_cache_usage_perc": "kv_used_fraction",  # of the fullest layer group
+    "ray_vllm_kv_cache_usage_perc": "kv_used_fraction",
     "ray_kvsparse_gpu_memory_peak_bytes": "gpu_memory_peak_bytes",
 }
 
