@@ -74,8 +74,15 @@ class BatchBuilder:
         )
 
     def _slots(self, table: list[int], count: int) -> list[int]:
+        """The slots of the first `count` tokens held in a group's blocks, `table`: a range of
+        slots per block (a prefill caching every token in each of a model's KV groups asks for
+        tens of thousands)."""
         bs = self.retention.block_size
-        return [table[i // bs] * bs + i % bs for i in range(count)]
+        slots: list[int] = []
+        for block in table[: -(-count // bs)]:
+            slots.extend(range(block * bs, block * bs + bs))
+        del slots[count:]
+        return slots
 
     def prefill(self, seqs: list[Sequence]) -> PrefillBatch:
         """Each sequence's scheduled tokens: a whole prefill (the prompt, plus outputs when
