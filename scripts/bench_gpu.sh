@@ -151,7 +151,7 @@ server_start() {
         sleep 1
     done
     if [ -n "${CHART_CONFIG:-}" ]; then
-        python3 -m service.replica_load --metrics-url http://127.0.0.1:8080/metrics \
+        python3 -m sparse_core.bench.replica_load --metrics-url http://127.0.0.1:8080/metrics \
             --output "$OUT/$name.replicas.json" &
         poller=$!
     fi

@@ -70,10 +70,9 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     return throughput.main(args)
 
 
-def add_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """The engine's subcommands; returns the `bench` group, where serving adds `bench serve`.
-
-    The `kvsparse` entry point (service.cli) adds the serving subcommands."""
+def add_subcommands(sub: argparse._SubParsersAction) -> None:
+    """The engine's subcommands and the benchmarks; the `kvsparse` entry point (service.cli)
+    adds `serve`."""
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=128)
@@ -91,8 +90,12 @@ def add_subcommands(sub: argparse._SubParsersAction) -> argparse._SubParsersActi
 
     add_arguments(tp)
     tp.set_defaults(func=cmd_bench_throughput)
+    from sparse_core.bench import serve
+
+    serve.add_arguments(
+        bench.add_parser("serve", help="load an OpenAI-compatible server at several concurrencies")
+    )
     add_eval_subcommands(sub)
-    return bench
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ added up in `first_launch_seconds`: a step that pays it in the middle of serving
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 import triton
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+logger = logging.getLogger(__name__)
 
 _binaries: dict[tuple, tuple[Any, tuple]] = {}
 _direct = True  # cleared if the compiled launcher rejects the call
@@ -66,7 +69,9 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: 
     if cached is None:
         start = time.perf_counter()
         binary = kernel[grid](*args, **kwargs)
-        _first_launch_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        _first_launch_seconds += seconds
+        logger.debug("first launch of %s %s: %.3f s", kernel.__name__, key[2:], seconds)
         if binary is not None:  # None: a cache hook of Triton's took over the launch
             # The launcher takes every parameter in signature order, constexprs included.
             constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])

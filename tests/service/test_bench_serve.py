@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from service.bench_clients import warm_up
-from service.bench_serve import (
+from service.cli import main
+from sparse_core import EngineConfig, SparsityConfig
+from sparse_core.bench.serve import (
     ServerReading,
     add_arguments,
     default_metrics_url,
@@ -23,8 +24,7 @@ from service.bench_serve import (
     parse_server_metrics,
     percentile,
 )
-from service.cli import main
-from sparse_core import EngineConfig, SparsityConfig
+from sparse_core.bench.serve_clients import warm_up
 from tests.service.servers import metric_values, standalone
 
 
@@ -103,7 +103,7 @@ def test_sweep_reports_every_level(server, tmp_path, capsys, processes):
 
 
 def test_a_report_plots_as_curves_and_request_by_request(server, tmp_path):
-    from service import plot_serve
+    from sparse_core.bench import plot_serve
 
     code, _ = bench(server, tmp_path, "--concurrency", "1,2", "--requests-per-client", "2")
     assert code == 0
@@ -119,7 +119,7 @@ def test_a_report_plots_as_curves_and_request_by_request(server, tmp_path):
 def test_vllm_sweeps_plot_beside_a_report_labelled_by_their_dtypes(tmp_path):
     """Stock vLLM's sweeps in bf16 and in fp8/fp8 (the JSON line its peer sweep.py prints) go on
     one plot, each named by its weights and KV cache dtypes."""
-    from service import plot_serve
+    from sparse_core.bench import plot_serve
 
     rows = [{"concurrency": c, "output_tok_per_s": 100.0 * c, "ttft_p50_s": 0.1} for c in (1, 2)]
     sweeps = {"bf16": {"gmu": 0.17, "rows": rows},

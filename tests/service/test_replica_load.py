@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.replica_load import sample, summarize
+from sparse_core.bench.replica_load import sample, summarize
 
 
 def _text(running_a: int, waiting_b: int, finished_a: int, memory_a: float | None) -> str:

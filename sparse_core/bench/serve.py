@@ -16,7 +16,7 @@ serve` do), each level also reports the server's own mean TTFT (from when it has
 out the wire, the streaming and this process's event loop: the like-for-like figure beside a peer
 measured in-process; and, on a GPU, the highest peak GPU memory of the server's engine
 processes. The clients run in processes of their own (`--processes`,
-service/bench_clients.py), so that parsing the streams is not what limits the measurement.
+sparse_core/bench/serve_clients.py), so that parsing the streams is not what limits the measurement.
 
 Multi-turn (`--turns N`): each request of a client opens a conversation of N turns, as a chat
 client sends them: the first turn is `--input-len` tokens (a document and a question), and each
@@ -38,7 +38,7 @@ import sys
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from service.bench_clients import (
+from sparse_core.bench.serve_clients import (
     CLIENTS_PER_PROCESS,
     ClientJob,
     ClientProcesses,

@@ -4,7 +4,7 @@ can go beside them.
 With --per-request, every request's TTFT instead, in ascending order, one panel per concurrency
 level: where a median sits among the rounds of a closed loop.
 
-python -m service.plot_serve OUT.png REPORT.json [REPORT.json ...]
+python -m sparse_core.bench.plot_serve OUT.png REPORT.json [REPORT.json ...]
     [--vllm-sweep SWEEP.json ...] [--labels "A,B,..."] [--per-request [--target SECONDS]]
 """
 

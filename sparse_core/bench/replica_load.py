@@ -1,6 +1,6 @@
 """How load spreads over engine replicas, read from Ray's metrics while a benchmark runs.
 
-    python -m service.replica_load --metrics-url http://127.0.0.1:8080/metrics --output F.json
+    python -m sparse_core.bench.replica_load --metrics-url http://127.0.0.1:8080/metrics --output F.json
 
 Polls the Prometheus text of a Ray node until interrupted (SIGINT), then writes and prints, per
 engine replica: requests finished meanwhile, the most requests running and waiting at once, the
