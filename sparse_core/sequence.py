@@ -99,8 +99,14 @@ class Sequence:
     def samples_next_token(self) -> bool:
         """Whether the current step ends at the last known token, so that what it samples is
         the next output token (and not a forced token's or a prompt chunk's discarded
-        prediction)."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == len(self)
+        prediction); so does a step fed the token in flight (`input_in_flight`)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens >= len(self)
+
+    @property
+    def input_in_flight(self) -> bool:
+        """Whether the token a decode step feeds next is the one a step still in flight samples
+        (async scheduling): not among its tokens on the host yet."""
+        return self.num_computed_tokens == len(self)
 
     @property
     def next_input_token_id(self) -> int:

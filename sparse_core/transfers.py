@@ -50,7 +50,6 @@ class PendingTokens:
     way from the device: the copies are queued now, behind one event, and read when needed."""
 
     def __init__(self, tokens: torch.Tensor, logprobs: SampledLogprobs | None = None) -> None:
-        self.device_ids = tokens  # kept for a step launched before they reach the host
         self.ready: torch.cuda.Event | None = None
         self._logprobs = logprobs
         tensors = [tokens] if logprobs is None else [tokens, logprobs.values, logprobs.top_ids]

@@ -55,14 +55,19 @@ def test_greedy_rows_take_the_argmax_of_the_penalized_logits():
         assert tokens == [*expected, int(logits[-1].argmax())], trial
 
 
-def test_a_launched_ahead_rows_pending_token_counts_as_an_output():
+def test_a_launched_ahead_rows_token_in_flight_counts_as_an_output():
     params = SamplingParams(temperature=0, presence_penalty=2.0)
     logits = torch.zeros(2, VOCAB)
     logits[:, 3] = 1.0  # the favourite, unless it was just generated
     seqs = [_seq(params, [0], []), _seq(params, [0], [])]
-    pending = torch.tensor([3])  # the last row's newest output is 3, still on the device
-    assert sample(logits, seqs, torch.Generator(), [True, True], pending).tolist()[0] == 3
-    assert sample(logits, seqs, torch.Generator(), [True, True], pending).tolist()[1] != 3
+    for row, seq in enumerate(seqs):
+        seq.table_row = 1 - row
+    # The last row's input is the token its previous step sampled, not on the host yet: 3, in
+    # its entry (1 - 1 = 0) of the device token pool; the first row's entry holds a stale 3.
+    seqs[1].num_computed_tokens = len(seqs[1])
+    next_ids = torch.tensor([3, 3])
+    first, last = sample(logits, seqs, torch.Generator(), [True, True], next_ids).tolist()
+    assert first == 3 and last != 3
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

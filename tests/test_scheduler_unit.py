@@ -182,8 +182,9 @@ def test_chunked_prefill_splits_prompts_over_steps_of_the_token_budget():
         step = sched.schedule()
         chunks.append([seq.num_scheduled_tokens for seq in step.prefills])
         sampled.append([seq.samples_next_token for seq in step.prefills])
+        wanted = [seq.samples_next_token for seq in step.seqs]
         sched.step_done(step)
-        read_back(sched, step, [seq.samples_next_token for seq in step.seqs])
+        read_back(sched, step, wanted)
     # a: 64, then 36; b takes the 28 left beside a's last chunk, then 64, then its last 8 (the
     # last chunk keeps at least min_last_chunk).
     assert chunks == [[64], [36, 28], [64], [8], []]
@@ -251,11 +252,13 @@ def test_ahead_the_decode_rows_take_the_tokens_in_flight_beside_new_prompts():
     d = add(sched, 40, max_tokens=10)[0]
     ahead = sched.schedule_ahead(in_flight, wanted)
     assert ahead is not None
-    assert ahead.step.prefills == [d] and ahead.step.decodes == [a, b, c]
-    assert ahead.rows == [1, 2, 0]  # each decode row's row in the step in flight
+    assert ahead.prefills == [d] and ahead.decodes == [a, b, c]
+    # Each decode row is fed the token in flight (from the device token pool), and samples.
+    assert [seq.input_in_flight for seq in ahead.seqs] == [False, True, True, True]
+    assert all(seq.samples_next_token for seq in ahead.seqs)
     # Their next slots are reserved already, before the tokens in flight are appended.
     assert [seq.kv_lens for seq in (a, b, c)] == [[22], [22], [31]]
-    assert [seq.num_scheduled_tokens for seq in ahead.step.seqs] == [40, 1, 1, 1]
+    assert [seq.num_scheduled_tokens for seq in ahead.seqs] == [40, 1, 1, 1]
     check(sched)
 
 
@@ -266,7 +269,7 @@ def test_ahead_leaves_out_a_sequence_whose_token_in_flight_is_its_last():
     run(sched)
     in_flight, wanted = launch(sched)
     ahead = sched.schedule_ahead(in_flight, wanted)
-    assert ahead is not None and ahead.step.decodes == [other] and ahead.rows == [1]
+    assert ahead is not None and ahead.decodes == [other] and other.input_in_flight
 
 
 def test_nothing_goes_ahead_while_a_prompt_is_prefilled_in_chunks():
@@ -323,8 +326,8 @@ def test_async_stepping_goes_ahead_but_right_after_a_finish():
         ahead = sched.schedule_ahead(step, wanted)
         read_back(sched, step, wanted)
         if ahead is not None:
-            step = ahead.step
-            wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(step.decodes)
+            step = ahead
+            wanted = [seq.samples_next_token for seq in step.seqs]
             sched.step_done(step)
         elif sched.has_work:
             step, wanted = launch(sched)

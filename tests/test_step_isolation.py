@@ -60,11 +60,11 @@ def failing_row(monkeypatch, fails) -> list[int]:
     that counts its failures."""
     real, count = model_runner.sample, []
 
-    def sample(logits, seqs, generator, wanted, pending_ids=None):
+    def sample(logits, seqs, generator, wanted, next_ids=None):
         if any(w and fails(seq) for seq, w in zip(seqs, wanted, strict=True)):
             count.append(1)
             raise RuntimeError("injected failure of one row")
-        return real(logits, seqs, generator, wanted, pending_ids)
+        return real(logits, seqs, generator, wanted, next_ids)
 
     monkeypatch.setattr(model_runner, "sample", sample)
     return count

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparse_core.engine.cuda_graphs import DecodeBatch
+from sparse_core.engine.device_tokens import IN_FLIGHT
 
 if TYPE_CHECKING:
     from sparse_core.cache.block_manager import BlockManager
@@ -60,17 +61,10 @@ class BatchBuilder:
     def __init__(self, retention: KVRetention) -> None:
         self.retention = retention
 
-    def build(
-        self,
-        step: ScheduledStep,
-        block_manager: BlockManager,
-        decode_input_ids: torch.Tensor | None = None,
-    ) -> StepBatch:
-        """`decode_input_ids`: the decode rows' input tokens already on the device (sampled by
-        a step not yet read back), instead of the sequences' last known tokens."""
+    def build(self, step: ScheduledStep, block_manager: BlockManager) -> StepBatch:
         return StepBatch(
             self.prefill(step.prefills) if step.prefills else None,
-            self.decode(step.decodes, block_manager, decode_input_ids) if step.decodes else None,
+            self.decode(step.decodes, block_manager) if step.decodes else None,
         )
 
     def _slots(self, table: list[int], count: int) -> list[int]:
@@ -143,17 +137,15 @@ class BatchBuilder:
             cached if cached.cached_rows else None,
         )
 
-    def decode(
-        self,
-        seqs: list[Sequence],
-        block_manager: BlockManager,
-        input_ids: torch.Tensor | None = None,
-    ) -> DecodeBatch:
+    def decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
         tables = block_manager.batch_tables(seqs)
         # Every group's tokens held, the one decoded now included: [groups, B].
         context_lens = torch.tensor([seq.kv_lens for seq in seqs], dtype=torch.int32).T
         return DecodeBatch(
-            input_ids=[seq.next_input_token_id for seq in seqs] if input_ids is None else input_ids,
+            input_ids=torch.tensor(
+                [IN_FLIGHT if seq.input_in_flight else seq.next_input_token_id for seq in seqs]
+            ),
+            table_rows=torch.tensor([seq.table_row for seq in seqs]),
             positions=[seq.num_computed_tokens for seq in seqs],
             slots=block_manager.batch_slots(tables, context_lens),
             block_tables=tables,

@@ -2,8 +2,9 @@
 
 Steps that only decode (no prompt joins them) replay a graph. A decode step of a 32-layer model
 launches hundreds of small kernels; replaying a captured graph removes their launch cost.
-Everything a step reads lives in static buffers: token ids, positions, and for every layer group
-its slot mapping, block tables and context lengths. A batch runs in the smallest bucket that
+Everything a step reads lives in static buffers: token ids (the host's, and for the tokens it
+does not have yet the sequences' entries of the device token pool), positions, and for every
+layer group its slot mapping, block tables and context lengths. A batch runs in the smallest bucket that
 holds it; padding rows write nowhere (slot -1) and attend to one token.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_core.engine.device_tokens import DeviceTokens
 from sparse_core.models.attention import DecodeGroupMetadata, DecodeMetadata, StepMetadata
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.transfers import copy_into
@@ -39,18 +41,20 @@ def decode_graph_bytes(max_num_seqs: int, vocab_size: int, dtype_bytes: int, tp_
 class DecodeBatch:
     """Host-side description of a step's decode part: one token per running sequence."""
 
-    input_ids: list[int] | torch.Tensor  # a tensor: already on the device (launched ahead)
+    input_ids: torch.Tensor  # int64 [B]: each row's input, IN_FLIGHT where the host lacks it
+    table_rows: torch.Tensor  # int64 [B]: each row's sequence's entry in the DeviceTokens
     positions: list[int]
     slots: torch.Tensor  # int64 [groups, B]: where each sequence's new token goes
     block_tables: torch.Tensor  # int32 [groups, B, most blocks]
     context_lens: torch.Tensor  # int32 [groups, B]: tokens held, the new one included
-    # (all three on the host)
+    # (all on the host)
 
 
 class DecodeGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
+        tokens: DeviceTokens,
         num_groups: int,
         max_num_seqs: int,
         max_blocks_per_seq: int,
@@ -58,9 +62,11 @@ class DecodeGraphs:
         device: torch.device,
     ) -> None:
         self.model = model
+        self.tokens = tokens
         self.max_context_len = max_context_len
         m = max_num_seqs
         self.input_ids = torch.zeros(m, dtype=torch.int64, device=device)
+        self.table_rows = torch.zeros(m, dtype=torch.int64, device=device)
         self.positions = torch.zeros(m, dtype=torch.int64, device=device)
         self.slots = torch.full((num_groups, m), -1, dtype=torch.int64, device=device)
         self.tables = torch.zeros(
@@ -86,7 +92,8 @@ class DecodeGraphs:
         return StepMetadata(decode=DecodeMetadata(groups))
 
     def _forward(self, batch: int) -> None:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self._meta(batch))
+        ids = self.tokens.inputs(self.input_ids[:batch], self.table_rows[:batch])
+        hidden = self.model(ids, self.positions[:batch], self._meta(batch))
         self.model.compute_logits(hidden, out=self.logits[:batch])
 
     @torch.inference_mode()
@@ -111,10 +118,8 @@ class DecodeGraphs:
         overwrites (work queued before that replay still reads this step's)."""
         batch = len(step.input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
-        if isinstance(step.input_ids, torch.Tensor):
-            self.input_ids[:batch].copy_(step.input_ids)
-        else:
-            copy_into(self.input_ids[:batch], step.input_ids)
+        copy_into(self.input_ids[:batch], step.input_ids)
+        copy_into(self.table_rows[:batch], step.table_rows)
         copy_into(self.positions[:batch], step.positions)
         copy_into(self.tables[:, :batch, : step.block_tables.shape[2]], step.block_tables)
         copy_into(self.slots[:, :batch], step.slots)

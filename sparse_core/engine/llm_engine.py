@@ -7,8 +7,6 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import torch
-
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.driver import TensorParallelWorkers
@@ -19,7 +17,7 @@ from sparse_core.engine.kv_cache_sizing import start_kv_cache
 from sparse_core.engine.model_runner import ModelRunner
 from sparse_core.engine.output_processor import OutputProcessor
 from sparse_core.engine.request_checker import RequestChecker
-from sparse_core.engine.scheduler import AheadStep, ScheduledStep, Scheduler
+from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.step_log import StepLog, StepRecord
 from sparse_core.kernels import kernel_first_launch_seconds
 from sparse_core.models.loader import ModelSource, load_model_source
@@ -27,7 +25,7 @@ from sparse_core.models.prequantized import resolve_quantization
 from sparse_core.outputs import RequestOutput
 from sparse_core.sampling_params import SamplingParams
 from sparse_core.sequence import Sequence
-from sparse_core.transfers import PendingTokens, to_device
+from sparse_core.transfers import PendingTokens
 
 logger = logging.getLogger(__name__)
 
@@ -240,12 +238,12 @@ class LLMEngine:
             step = self.scheduler.schedule()
             if not step:
                 return []
-            flight = self._launch(step, [seq.samples_next_token for seq in step.seqs])
+            flight = self._launch(step)
         self.scheduler.step_done(flight.step)
         if self.async_scheduling:
             ahead = self.scheduler.schedule_ahead(flight.step, flight.wanted)
             if ahead is not None:
-                self._ahead = self._launch_ahead(flight, ahead)
+                self._ahead = self._launch(ahead)
         tokens = flight.tokens.tolist()  # waits for the device
         logprobs = flight.tokens.logprobs()
         now = time.monotonic()
@@ -281,31 +279,18 @@ class LLMEngine:
             self.abort(seq.request_id)
         return [(seq.request_id, message) for seq in failed]
 
-    def _launch(
-        self,
-        step: ScheduledStep,
-        wanted: list[bool],
-        decode_input_ids: torch.Tensor | None = None,
-    ) -> _Flight:
+    def _launch(self, step: ScheduledStep) -> _Flight:
+        wanted = [seq.samples_next_token for seq in step.seqs]
         record, first_launches = None, 0.0
         if self.step_records is not None or self._step_log is not None:
             record, first_launches = self._step_record(step), kernel_first_launch_seconds()
         start = time.monotonic()
-        logits = self.runner.launch(step, self.block_manager, decode_input_ids)
+        logits = self.runner.launch(step, self.block_manager)
         launched = time.monotonic()
         if record is not None:
             record.kernel_first_launch_seconds = kernel_first_launch_seconds() - first_launches
-        tokens = self.runner.sample_tokens(step, logits, wanted, decode_input_ids)
+        tokens = self.runner.sample_tokens(step, logits, wanted)
         return _Flight(step, wanted, tokens, start, launched, record)
-
-    def _launch_ahead(self, flight: _Flight, ahead: AheadStep) -> _Flight:
-        """Launch the step the scheduler chose to run before `flight`'s tokens reach the host:
-        its decode rows' inputs are `flight`'s sampled tokens, still on the device."""
-        ids = flight.tokens.device_ids[to_device(ahead.rows, torch.int64, self.runner.device)]
-        step = ahead.step
-        # A decode row's input is the token in flight, not appended yet: its sample is wanted.
-        wanted = [seq.samples_next_token for seq in step.prefills] + [True] * len(step.decodes)
-        return self._launch(step, wanted, ids)
 
     def _step_record(self, step: ScheduledStep) -> StepRecord:
         """What the step runs, taken when it is launched (the next step launched ahead changes

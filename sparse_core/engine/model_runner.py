@@ -24,6 +24,7 @@ from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, ran
 from sparse_core.engine.batch_builder import BatchBuilder, CachedChunks, PrefillBatch, StepBatch
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
 from sparse_core.engine.device import resolve_device, resolve_dtype
+from sparse_core.engine.device_tokens import DeviceTokens
 from sparse_core.engine.gpu_memory import limit_allocator
 from sparse_core.engine.piecewise_graphs import PiecewiseGraphs
 from sparse_core.engine.sampler import sample, sampled_logprobs
@@ -108,6 +109,7 @@ class ModelRunner:
             # Its projections became FP8 as they loaded: the bf16 ones built first go back.
             torch.cuda.empty_cache()
         self.model.eval()
+        self.tokens = DeviceTokens(config.max_num_seqs, self.device)
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PiecewiseGraphs | None = None
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -161,31 +163,21 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def launch(
-        self,
-        step: ScheduledStep,
-        block_manager: BlockManager,
-        decode_input_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def launch(self, step: ScheduledStep, block_manager: BlockManager) -> torch.Tensor:
         """Prepare the step's inputs and enqueue its forward pass; its logits (on the device,
-        possibly not computed yet), in `step.seqs` order. `decode_input_ids`: the decode rows'
-        input tokens already on the device (sampled by a step not yet read back), instead of
-        the sequences' last known tokens."""
-        return self.execute(self.batch_builder.build(step, block_manager, decode_input_ids))
+        possibly not computed yet), in `step.seqs` order."""
+        return self.execute(self.batch_builder.build(step, block_manager))
 
     @torch.inference_mode()
     def sample_tokens(
-        self,
-        step: ScheduledStep,
-        logits: torch.Tensor,
-        wanted: list[bool],
-        decode_input_ids: torch.Tensor | None = None,
+        self, step: ScheduledStep, logits: torch.Tensor, wanted: list[bool]
     ) -> PendingTokens:
         """Queue the choice of every sequence's next token, in `step.seqs` order, and the logprobs
         of the rows that ask for them; rows not `wanted` (a forced token's or an early chunk's
-        prediction) draw nothing. `decode_input_ids` as for `launch`: outputs not appended yet,
-        which penalties count."""
-        tokens = sample(logits, step.seqs, self.generator, wanted, decode_input_ids)
+        prediction) draw nothing. The tokens go to their sequences' entries of the device token
+        pool too, where a step launched before they reach the host reads them."""
+        tokens = sample(logits, step.seqs, self.generator, wanted, self.tokens.next_ids)
+        self.tokens.record(self._tensor([seq.table_row for seq in step.seqs]), tokens)
         return PendingTokens(tokens, sampled_logprobs(logits, tokens, step.seqs, wanted))
 
     @every_rank
@@ -212,13 +204,12 @@ class ModelRunner:
             rows += range(len(positions), len(positions) + len(batch.decode.positions))
             positions += batch.decode.positions
             decode = self._decode_metadata(batch.decode)
-        decode_ids = [] if batch.decode is None else batch.decode.input_ids
-        if isinstance(decode_ids, torch.Tensor):  # a step launched ahead: ids on the device
-            token_ids = (
-                torch.cat([self._tensor(input_ids), decode_ids]) if input_ids else decode_ids
+        token_ids = self._tensor(input_ids)
+        if batch.decode is not None:
+            decode_ids = self.tokens.inputs(
+                self._tensor(batch.decode.input_ids), self._tensor(batch.decode.table_rows)
             )
-        else:
-            token_ids = self._tensor(input_ids + decode_ids)
+            token_ids = torch.cat([token_ids, decode_ids]) if input_ids else decode_ids
         meta = StepMetadata(prefill, decode)
         # A decode-only step's rows are all its tokens.
         logit_rows = self._tensor(rows) if batch.prefill is not None else None
@@ -358,7 +349,8 @@ class ModelRunner:
             cached=cached,
         )
         decode = DecodeBatch(
-            input_ids=[0] * rows,
+            input_ids=torch.zeros(rows, dtype=torch.int64),
+            table_rows=torch.arange(rows),
             positions=[0] * rows,
             slots=torch.full((num_groups, rows), -1),
             block_tables=torch.zeros((num_groups, rows, 1), dtype=torch.int32),
@@ -417,6 +409,7 @@ class ModelRunner:
             return
         self.decode_graphs = DecodeGraphs(
             self.model,
+            self.tokens,
             len(self.retention.groups),
             self.config.max_num_seqs,
             cdiv(self.config.max_model_len, self.block_size),

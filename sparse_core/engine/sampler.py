@@ -27,17 +27,17 @@ def sample(
     seqs: list[Sequence],
     generator: torch.Generator,
     wanted: list[bool],
-    pending_ids: torch.Tensor | None = None,
+    next_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [B, V] float32 -> one token id per sequence, int64 [B] on the logits' device.
 
     Rows that are not wanted (a forced prompt token's or an early chunk's prediction) draw
     nothing, so a split prompt samples like a whole one; their ids are the argmax, to be
-    ignored. `pending_ids` (int64 [D] on the device), for a step launched ahead: the input
-    tokens of its last D rows, sampled by the step before and not yet in their sequences'
-    outputs, which penalties and `min_tokens` count as outputs.
+    ignored. `next_ids`: the device token pool (DeviceTokens.next_ids), needed when a row's
+    input is in flight (`Sequence.input_in_flight`, a step launched ahead): that token, not in
+    its sequence's outputs yet, is read there, and penalties and `min_tokens` count it.
     """
-    logits = _adjusted(logits, seqs, wanted, pending_ids)
+    logits = _adjusted(logits, seqs, wanted, next_ids)
     tokens = logits.argmax(dim=-1)
     rows = [r for r, seq in enumerate(seqs) if wanted[r] and not seq.params.greedy]
     if rows:
@@ -81,14 +81,13 @@ def _adjusted(
     logits: torch.Tensor,
     seqs: list[Sequence],
     wanted: list[bool],
-    pending_ids: torch.Tensor | None,
+    next_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """The logits with penalties applied and tokens banned by `min_tokens` at -inf (a copy,
     only when some row has either; rows without are untouched)."""
-    first_pending = len(seqs) - (0 if pending_ids is None else pending_ids.shape[0])
 
     def num_outputs(row: int) -> int:
-        return len(seqs[row].output_token_ids) + (row >= first_pending)
+        return len(seqs[row].output_token_ids) + seqs[row].input_in_flight
 
     banned = [
         (row, token)
@@ -104,10 +103,11 @@ def _adjusted(
     if rows:
         index = to_device(rows, torch.int64, device)
         outputs = _padded([seqs[r].output_token_ids for r in rows], vocab, device)
-        if pending_ids is not None:
-            at = [r - first_pending for r in rows]
-            newest = pending_ids[to_device([max(a, 0) for a in at], torch.int64, device)]
-            is_pending = to_device([a >= 0 for a in at], torch.bool, device)
+        in_flight = [seqs[r].input_in_flight for r in rows]
+        if any(in_flight):
+            assert next_ids is not None, "a row's input is in flight: the token pool is needed"
+            newest = next_ids[to_device([seqs[r].table_row for r in rows], torch.int64, device)]
+            is_pending = to_device(in_flight, torch.bool, device)
             outputs = torch.cat([outputs, torch.where(is_pending, newest, vocab)[:, None]], dim=1)
         counts = _histogram(outputs, vocab)
         in_prompt = _histogram(_padded([seqs[r].prompt_token_ids for r in rows], vocab, device),

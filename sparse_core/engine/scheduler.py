@@ -34,15 +34,6 @@ class ScheduledStep:
         return bool(self.prefills or self.decodes)
 
 
-@dataclass
-class AheadStep:
-    """A step to launch before the one in flight has its tokens read."""
-
-    step: ScheduledStep
-    # Per decode row: its row in the step in flight, whose sampled token is its input.
-    rows: list[int]
-
-
 class Scheduler:
     def __init__(
         self, config: EngineConfig, block_manager: BlockManager, min_last_chunk: int
@@ -106,10 +97,11 @@ class Scheduler:
         admitted = self._admit_spaced(budget, bool(decodes), prefills)
         return ScheduledStep(prefills + admitted, decodes)
 
-    def schedule_ahead(self, in_flight: ScheduledStep, wanted: list[bool]) -> AheadStep | None:
+    def schedule_ahead(self, in_flight: ScheduledStep, wanted: list[bool]) -> ScheduledStep | None:
         """With async scheduling, after `step_done(in_flight)`: the next step, to launch before
         `in_flight`'s tokens reach the host, when it needs nothing of them but the tokens
-        themselves: its decode rows are fed `in_flight`'s sampled tokens on the device, beside
+        themselves: its decode rows are fed `in_flight`'s sampled tokens on the device (the
+        device token pool), beside
         the waiting prompts that fit. Only when no prompt is being prefilled in chunks, every
         row of `in_flight` samples a token (`wanted`), and there is room without preempting.
         A sequence that `in_flight` finishes by length is left out; one that it ends with a stop
@@ -124,23 +116,18 @@ class Scheduler:
             return None
         if not all(wanted):
             return None
-        row_of = {seq: row for row, seq in enumerate(in_flight.seqs)}
-        rows, seqs = [], []
+        in_flight_seqs = set(in_flight.seqs)
+        seqs = []
         for seq in self.running:
-            row = row_of.get(seq)
-            if row is None or seq.is_prefilling:
+            if seq not in in_flight_seqs or seq.is_prefilling:
                 return None
             # The token in flight is its last one?
             if len(seq.output_token_ids) + 1 >= seq.params.max_tokens:
                 continue
             if len(seq) + 1 >= self.max_model_len:
                 continue
-            rows.append(row)
             seqs.append(seq)
-        step = self._schedule_decodes(seqs)
-        if not step:
-            return None
-        return AheadStep(step, rows)
+        return self._schedule_decodes(seqs) or None
 
     def _schedule_decodes(self, seqs: list[Sequence]) -> ScheduledStep | None:
         """A step for exactly these running sequences, done prefilling, and the waiting prompts
