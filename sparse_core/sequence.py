@@ -74,6 +74,13 @@ class Sequence:
         self.num_computed_tokens = 0
         self.prefill_len = 0
 
+    def start_prefill(self, num_cached: int) -> None:
+        """Admitted (BlockManager.allocate gave its blocks): a (re)prefill of
+        `num_prefill_tokens` starts after the `num_cached` tokens found in the prefix cache."""
+        self.prefill_len = self.num_prefill_tokens
+        self.num_computed_tokens = num_cached
+        self.num_cached_tokens = max(self.num_cached_tokens, num_cached)
+
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

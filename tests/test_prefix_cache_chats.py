@@ -49,7 +49,7 @@ def serve(bm: BlockManager, prompts: list[list[int]], output_len: int) -> int:
     for i, prompt in enumerate(prompts):
         seq = Sequence(str(i), prompt, SamplingParams(), len(bm.groups))
         assert bm.can_allocate(seq)
-        bm.allocate(seq)
+        seq.start_prefill(bm.allocate(seq))
         seq.num_computed_tokens = seq.prefill_len
         bm.end_prefill(seq)
         running.append(seq)

@@ -132,14 +132,14 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
         return self._fits(self._admission(seq, chunked))
 
-    def allocate(self, seq: Sequence, chunked: bool = False) -> None:
-        """Admit `seq`: its blocks in every group, and its prefill set to start after the
-        tokens found in the cache (`seq.num_computed_tokens`)."""
+    def allocate(self, seq: Sequence, chunked: bool = False) -> int:
+        """Blocks in every group for the prefill of `seq`; returns the tokens found in the
+        cache, where its prefill starts (`Sequence.start_prefill`)."""
         pool = self.pool
         pool.tick()
         admission = self._admission(seq, chunked)
         seq.caches_prefill = admission.caches
-        n = seq.prefill_len = seq.num_prefill_tokens
+        n = seq.num_prefill_tokens
         num_cached = len(admission.cached[0]) * self.block_size
         seq.table_row = self._free_rows.pop()
         # Every group's cached blocks taken before any allocates: none evicts another's.
@@ -160,15 +160,13 @@ class BlockManager:
                 seq.kv_lens[g] = held
             seq.block_tables[g] = table
             self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
-        seq.num_computed_tokens = num_cached
-        seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
         self.prefix_cache_queries += n
         self.prefix_cache_hits += num_cached
         # Prompt tokens still to come (forced one per step) are kept whole.
         seq.prompt_kv_lens = [
-            group.tokens_after_prefill(seq.prefill_len, seq.num_forced_prompt_tokens)
-            for group in self.groups
+            group.tokens_after_prefill(n, seq.num_forced_prompt_tokens) for group in self.groups
         ]
+        return num_cached
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached block (none may be in use) and the hit counts."""

@@ -226,7 +226,7 @@ class Scheduler:
             if chunk == 0:
                 break
             self.waiting.remove(seq)
-            self.block_manager.allocate(seq, chunked)
+            seq.start_prefill(self.block_manager.allocate(seq, chunked))
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = chunk
             self.running.append(seq)
