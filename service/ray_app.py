@@ -177,8 +177,8 @@ class EngineDeployment:
 
     async def __init__(
         self,
-        engine: dict[str, Any],
-        sparsity: dict[str, Any],
+        engine: EngineConfig,
+        sparsity: SparsityConfig,
         served_model_name: str,
         pool: str,
         log_prompts: bool,
@@ -187,13 +187,12 @@ class EngineDeployment:
         engine_process: bool | None = None,
     ) -> None:
         from service.worker import EngineWorker
-        from sparse_core.config import EngineConfig, SparsityConfig
 
         replica = serve.get_replica_context().replica_id.unique_id
         recorder = Metrics.ray().recorder(model_name=served_model_name, pool=pool, replica=replica)
         self.worker = EngineWorker.start(
-            EngineConfig(**engine),
-            SparsityConfig(**sparsity),
+            engine,
+            sparsity,
             recorder,
             log_prompts,
             engine_kind,
@@ -355,7 +354,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
     for sparsity in pools:
         pool = PoolSpec.of(sparsity).name
         engines[pool] = EngineDeployment.options(name=f"KVSparseEngine-{pool}", **options).bind(
-            dataclasses.asdict(engine), dataclasses.asdict(sparsity), served_name, pool,
+            engine, sparsity, served_name, pool,
             cfg.log_prompts, cfg.engine_kind, cfg.stream_interval, cfg.engine_process,
         )  # fmt: skip
     max_inflight = cfg.ingress_max_inflight(engine, len(pools))
