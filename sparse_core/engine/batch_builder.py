@@ -24,9 +24,9 @@ class CachedChunks:
     """Host side of a ChunkContext: the earlier chunks of the prompts a step continues."""
 
     cu_seqlens_k: list[int]  # each prompt's keys: its cached tokens, then the step's
-    new_rows: list[int]
-    cached_rows: list[int]
-    cached_slots: list[list[int]]  # per group
+    new_rows: torch.Tensor  # int64 [P]
+    cached_rows: torch.Tensor  # int64 [C]
+    cached_slots: torch.Tensor  # int64 [groups, C]
 
 
 @dataclass
@@ -37,13 +37,13 @@ class PrefillBatch:
     positions: list[int]
     cu_seqlens: list[int]
     max_seqlen: int
-    slot_mappings: list[list[int]]  # per group, per token; -1 where the group compresses
+    slot_mappings: torch.Tensor  # int64 [groups, tokens]; -1 where the group compresses
     # Per group, the prompts it compresses in this step: their bounds among the packed keys,
     # the tokens each keeps, where their window queries end, and where their kept tokens go.
     compress_bounds: list[list[tuple[int, int]]]
     compress_kept: list[list[int]]
     compress_query_ends: list[list[int]]
-    compress_slots: list[list[int]]
+    compress_slots: list[torch.Tensor]  # int64, per group
     cached: CachedChunks | None = None  # when the step continues chunked prompts
 
 
@@ -60,6 +60,7 @@ class BatchBuilder:
 
     def __init__(self, retention: KVRetention) -> None:
         self.retention = retention
+        self._block_offsets = torch.arange(retention.block_size)
 
     def build(self, step: ScheduledStep, block_manager: BlockManager) -> StepBatch:
         return StepBatch(
@@ -67,16 +68,13 @@ class BatchBuilder:
             self.decode(step.decodes, block_manager) if step.decodes else None,
         )
 
-    def _slots(self, table: list[int], count: int) -> list[int]:
-        """The slots of the first `count` tokens held in a group's blocks, `table`: a range of
-        slots per block (a prefill caching every token in each of a model's KV groups asks for
-        tens of thousands)."""
+    def _slots(self, table: list[int], count: int) -> torch.Tensor:
+        """The slots of the first `count` tokens held in a group's blocks, `table` (int64 [count]):
+        tensors, not lists, as a step of prefills that cache asks for every token's slot in each
+        of a model's KV groups, cached ones included (hundreds of thousands)."""
         bs = self.retention.block_size
-        slots: list[int] = []
-        for block in table[: -(-count // bs)]:
-            slots.extend(range(block * bs, block * bs + bs))
-        del slots[count:]
-        return slots
+        blocks = torch.tensor(table[: -(-count // bs)], dtype=torch.int64)
+        return (blocks[:, None] * bs + self._block_offsets).flatten()[:count]
 
     def prefill(self, seqs: list[Sequence]) -> PrefillBatch:
         """Each sequence's scheduled tokens: a whole prefill (the prompt, plus outputs when
@@ -94,47 +92,60 @@ class BatchBuilder:
         positions: list[int] = []
         cu_seqlens = [0]
         num_groups = len(self.retention.groups)
-        slot_mappings: list[list[int]] = [[] for _ in range(num_groups)]
+        # Per group, each prompt's part (concatenated at the end).
+        slot_mappings: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        cached_slots: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_kept: list[list[int]] = [[] for _ in range(num_groups)]
         compress_query_ends: list[list[int]] = [[] for _ in range(num_groups)]
-        compress_slots: list[list[int]] = [[] for _ in range(num_groups)]
-        cached = CachedChunks([0], [], [], [[] for _ in range(num_groups)])
+        compress_slots: list[list[torch.Tensor]] = [[] for _ in range(num_groups)]
+        cu_seqlens_k = [0]
+        new_rows: list[torch.Tensor] = []
+        cached_rows: list[torch.Tensor] = []
         for seq in seqs:
             first, n = seq.num_computed_tokens, seq.prefill_len
             end = first + seq.num_scheduled_tokens
             input_ids += seq.token_ids[first:end]
             positions += range(first, end)
             cu_seqlens.append(len(input_ids))
-            k_start = cached.cu_seqlens_k[-1]
-            cached.cu_seqlens_k.append(k_start + end)
-            cached.cached_rows += range(k_start, k_start + first)
-            cached.new_rows += range(k_start + first, k_start + end)
+            k_start = cu_seqlens_k[-1]
+            cu_seqlens_k.append(k_start + end)
+            cached_rows.append(torch.arange(k_start, k_start + first))
+            new_rows.append(torch.arange(k_start + first, k_start + end))
             for g, group in enumerate(self.retention.groups):
                 if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
                     slots = self._slots(seq.block_tables[g], end)
-                    slot_mappings[g] += slots[first:]
-                    cached.cached_slots[g] += slots[:first]
+                    slot_mappings[g].append(slots[first:])
+                    cached_slots[g].append(slots[:first])
                 else:
-                    slot_mappings[g] += [-1] * (end - first)
+                    slot_mappings[g].append(torch.full((end - first,), -1))
+                    cached_slots[g].append(torch.full((first,), -1))
                 if end == n and group.compresses(n):
                     kept = group.tokens_after_prefill(n)
                     compress_bounds[g].append((k_start, k_start + n))
                     compress_kept[g].append(kept)
                     compress_query_ends[g].append(len(input_ids))
                     kept_table = seq.kept_tables[g] or seq.block_tables[g]
-                    compress_slots[g] += self._slots(kept_table, kept)
+                    compress_slots[g].append(self._slots(kept_table, kept))
+        cached = None
+        if cu_seqlens_k != cu_seqlens:
+            cached = CachedChunks(
+                cu_seqlens_k,
+                torch.cat(new_rows),
+                torch.cat(cached_rows),
+                torch.stack([torch.cat(parts) for parts in cached_slots]),
+            )
         return PrefillBatch(
             input_ids,
             positions,
             cu_seqlens,
             max(seq.num_scheduled_tokens for seq in seqs),
-            slot_mappings,
+            torch.stack([torch.cat(parts) for parts in slot_mappings]),
             compress_bounds,
             compress_kept,
             compress_query_ends,
-            compress_slots,
-            cached if cached.cached_rows else None,
+            [_cat(parts) for parts in compress_slots],
+            cached,
         )
 
     def decode(self, seqs: list[Sequence], block_manager: BlockManager) -> DecodeBatch:
@@ -151,3 +162,7 @@ class BatchBuilder:
             block_tables=tables,
             context_lens=context_lens.contiguous(),
         )
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)

@@ -226,22 +226,26 @@ class ModelRunner:
         self, batch: PrefillBatch, selection: SelectionPolicy | None
     ) -> PrefillMetadata:
         cached = batch.cached
+        cached_slots = [None] * len(batch.compress_slots)
+        if cached is not None:
+            cached_slots = self._group_rows(cached.cached_slots)
         groups = [
             PrefillGroupMetadata(
-                slot_mapping=self._tensor(slots),
+                slot_mapping=slots,
                 compress=CompressJobs(
                     PromptBatch.from_bounds(bounds, kept, self.device, query_ends),
                     self._tensor(kept_slots),
                 ),
-                cached_slots=None if cached is None else self._tensor(cached.cached_slots[g]),
+                cached_slots=group_cached_slots,
             )
-            for g, (slots, bounds, kept, query_ends, kept_slots) in enumerate(
+            for slots, bounds, kept, query_ends, kept_slots, group_cached_slots in (
                 zip(
-                    batch.slot_mappings,
+                    self._group_rows(batch.slot_mappings),
                     batch.compress_bounds,
                     batch.compress_kept,
                     batch.compress_query_ends,
                     batch.compress_slots,
+                    cached_slots,
                     strict=True,
                 )
             )
@@ -278,6 +282,15 @@ class ModelRunner:
 
     def _tensor(self, values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return to_device(values, dtype, self.device)
+
+    def _group_rows(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """A host int64 [groups, n] in one copy to the device, as its rows. Each row starts
+        16-byte aligned (the width padded to even): Triton specialises a kernel on its pointers'
+        alignment, and an odd width would compile a second variant in the middle of serving."""
+        groups, n = values.shape
+        padded = torch.full((groups, n + n % 2), -1, dtype=values.dtype)
+        padded[:, :n] = values
+        return list(self._tensor(padded)[:, :n])
 
     # -- GPU start-up ---------------------------------------------------------------------------
 
@@ -319,9 +332,9 @@ class ModelRunner:
             context = config.max_model_len - 1 - total
             cached = CachedChunks(
                 cu_seqlens_k=[0, context + total],
-                new_rows=list(range(context, context + total)),
-                cached_rows=list(range(context)),
-                cached_slots=[[0] * context for _ in range(num_groups)],
+                new_rows=torch.arange(context, context + total),
+                cached_rows=torch.arange(context),
+                cached_slots=torch.zeros((num_groups, context), dtype=torch.int64),
             )
         compress_bounds: list[list[tuple[int, int]]] = [[] for _ in range(num_groups)]
         compress_kept: list[list[int]] = [[] for _ in range(num_groups)]
@@ -341,11 +354,11 @@ class ModelRunner:
             positions=[context + p for n in lens for p in range(n)],
             cu_seqlens=cu_seqlens,
             max_seqlen=max(lens),
-            slot_mappings=[[-1] * total for _ in range(num_groups)],
+            slot_mappings=torch.full((num_groups, total), -1),
             compress_bounds=compress_bounds,
             compress_kept=compress_kept,
             compress_query_ends=compress_query_ends,
-            compress_slots=compress_slots,
+            compress_slots=[torch.tensor(slots, dtype=torch.int64) for slots in compress_slots],
             cached=cached,
         )
         decode = DecodeBatch(
