@@ -71,6 +71,10 @@ class BlockManager:
         # cache queries and hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # The scheduler asks about a waiting sequence several times in a row (the tokens it
+        # would find cached, whether it fits, its admission): the last answer, which holds
+        # until the pool changes (every method that changes it clears this).
+        self._last_admission: tuple[Sequence, bool, _Admission] | None = None
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -105,6 +109,14 @@ class BlockManager:
     def _admission(self, seq: Sequence, chunked: bool) -> _Admission:
         """How `seq` would be admitted now: caching when caching is on and every group has room
         for it, else as without the cache."""
+        last = self._last_admission
+        if last is not None and last[0] is seq and last[1] == chunked:
+            return last[2]
+        admission = self._new_admission(seq, chunked)
+        self._last_admission = (seq, chunked, admission)
+        return admission
+
+    def _new_admission(self, seq: Sequence, chunked: bool) -> _Admission:
         if self.enable_prefix_caching:
             cached = self.cached_blocks(seq)
             new = self._new_blocks(seq, chunked, len(cached[0]) * self.block_size)
@@ -136,8 +148,9 @@ class BlockManager:
         """Blocks in every group for the prefill of `seq`; returns the tokens found in the
         cache, where its prefill starts (`Sequence.start_prefill`)."""
         pool = self.pool
-        pool.tick()
         admission = self._admission(seq, chunked)
+        self._last_admission = None
+        pool.tick()
         seq.caches_prefill = admission.caches
         n = seq.num_prefill_tokens
         num_cached = len(admission.cached[0]) * self.block_size
@@ -170,6 +183,7 @@ class BlockManager:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached block (none may be in use) and the hit counts."""
+        self._last_admission = None
         self.pool.clear_cache()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
@@ -180,6 +194,7 @@ class BlockManager:
         chunked prefill that does not cache held every token, and its last chunk wrote each
         compressing group's kept tokens to the front of its blocks; a whole prefill holds no
         more already."""
+        self._last_admission = None
         n = seq.prefill_len
         hashes = self._block_hashes(seq, n // self.block_size) if seq.caches_prefill else []
         released: list[list[int]] = []
@@ -215,6 +230,7 @@ class BlockManager:
         """Room for the token being decoded in every group: one more token held, in a new
         block where the last one is full. Its slot is the last of what each group holds
         (`batch_slots`)."""
+        self._last_admission = None
         bs, kv_lens = self.block_size, seq.kv_lens
         for g, pos in enumerate(kv_lens):
             if pos % bs == 0:
@@ -229,6 +245,7 @@ class BlockManager:
         # A cached prefix's tail is evicted before the head other prompts share.
         tables = zip(seq.block_tables, seq.kept_tables, strict=True)
         held = [blocks + (kept or []) for blocks, kept in tables]
+        self._last_admission = None
         self.pool.free(_tail_first(held))
         self._free_rows.append(seq.table_row)
         seq.reset_cache_state()
