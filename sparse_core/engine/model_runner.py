@@ -269,8 +269,6 @@ class ModelRunner:
         )
 
     def _decode_metadata(self, batch: DecodeBatch) -> DecodeMetadata:
-        # Block tables and lengths int32 as in the decode graphs' buffers: one compiled kernel
-        # for both.
         longest = batch.context_lens.max(dim=1).values.tolist()
         return DecodeMetadata(
             [
