@@ -4,8 +4,8 @@ Steps that only decode (no prompt joins them) replay a graph. A decode step of a
 launches hundreds of small kernels; replaying a captured graph removes their launch cost.
 Everything a step reads lives in static buffers: token ids (the host's, and for the tokens it
 does not have yet the sequences' entries of the device token pool), positions, and for every
-layer group its slot mapping, block tables and context lengths. A batch runs in the smallest bucket that
-holds it; padding rows write nowhere (slot -1) and attend to one token.
+layer group its slot mapping, block tables and context lengths. A batch runs in the smallest
+bucket that holds it; padding rows write nowhere (slot -1) and attend to one token.
 """
 
 from __future__ import annotations

@@ -227,7 +227,7 @@ class ModelRunner:
         self, batch: PrefillBatch, selection: SelectionPolicy | None
     ) -> PrefillMetadata:
         cached = batch.cached
-        cached_slots = [None] * len(batch.compress_slots)
+        cached_slots = [None] * len(self.retention.groups)
         if cached is not None:
             cached_slots = self._group_rows(cached.cached_slots)
         groups = [
