@@ -65,6 +65,14 @@ class SparsityConfig:
                   prompt (LayerGroup.ratio). Layers with equal budgets share one KV pool.
     target_compression: the effective compression over all layers that layer_budgets="auto"
                   asks for (prompt token-layers / kept token-layers, at every prompt length)
+    decode_eviction: a sparse layer never holds more than its budget, generated tokens
+                  included: the prefill keeps its budget less `decode_window` tokens, and the
+                  tokens fed after it take the rest in turn, each replacing the oldest of them
+                  once it is full. Off: every generated token is kept (the layer grows by one
+                  per step).
+    decode_window: with decode_eviction, the recent tokens a sparse layer keeps of those fed
+                  after the prefill (at most its budget less window and sinks, so that the
+                  prompt keeps at least those)
     """
 
     policy: Policy = option("dense", "which tokens the sparse layers keep")
@@ -92,6 +100,13 @@ class SparsityConfig:
         None, "with layer budgets auto: the effective compression over all layers, e.g. 4"
     )
 
+    decode_eviction: bool = option(
+        False, "sparse layers hold at most their budget while decoding (the recent tokens rotate)"
+    )
+    decode_window: int = option(
+        128, "with decode eviction: the recent generated tokens a sparse layer keeps"
+    )
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown sparsity policy {self.policy!r}; expected one of {POLICIES}")
@@ -109,6 +124,13 @@ class SparsityConfig:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
         if self.pyramid_tiers < 1:
             raise ValueError(f"pyramid_tiers must be at least 1, got {self.pyramid_tiers}")
+        if self.decode_window < 1:
+            raise ValueError(f"decode_window must be at least 1, got {self.decode_window}")
+        if self.decode_eviction and self.policy == "dense":
+            raise ValueError(
+                "decode_eviction bounds what the sparse layers hold, and the dense policy has "
+                "none; choose a compressing policy (snapkv, pyramid, ...) or leave it off"
+            )
         if self.policy != "dense" and self.budget <= self.window + self.sinks:
             raise ValueError(
                 f"budget ({self.budget}) must be greater than window ({self.window}) + sinks "

@@ -35,24 +35,43 @@ logger = logging.getLogger(__name__)
 class LayerGroup:
     """Layers that keep the same share of a prompt: `budget` tokens of every prompt, or a
     `ratio`-th of each (calibrated budgets: the compression asked for at every prompt length),
-    or, with neither, all of it."""
+    or, with neither, all of it. With `decode_window` (decode eviction) the budget bounds what
+    the layers ever hold: the prefill keeps the budget less that many tokens, which then hold
+    the most recent of the tokens fed after it."""
 
     name: str
     layers: tuple[int, ...]
     budget: int | None = None  # tokens per KV head kept of every prompt
     ratio: float | None = None  # keeps ceil(n / ratio) of an n-token prompt, at least `floor`
-    floor: int = 0  # fewest tokens a ratio keeps: what the window and sinks need
+    floor: int = 0  # fewest tokens a prompt keeps: what the window and sinks need
+    decode_window: int | None = None  # decode eviction's recent tokens; None: no eviction
 
     @property
     def whole(self) -> bool:
         return self.budget is None and self.ratio is None
 
+    def budget_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The budget for a prompt of this length, in tokens per KV head (None: whole)."""
+        if self.ratio is not None:
+            return ratio_budget(num_prompt_tokens, self.ratio, self.floor)
+        return self.budget
+
+    def max_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The most tokens per KV head the group ever holds of a sequence with a prompt of this
+        length: its budget with decode eviction, else None (it grows with every token fed)."""
+        return None if self.decode_window is None else self.budget_tokens(num_prompt_tokens)
+
     def kept_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens per KV head this group holds right after prefilling a prompt."""
         n = num_prompt_tokens
-        if self.ratio is not None:
-            return min(n, ratio_budget(n, self.ratio, self.floor))
-        return n if self.budget is None else min(n, self.budget)
+        budget = self.budget_tokens(n)
+        if budget is None:
+            return n
+        if self.decode_window is not None:
+            # The ring takes at least one token (else the group would grow), the prompt at
+            # least `floor` less one: the window and the sinks.
+            budget -= max(min(self.decode_window, budget - self.floor), 1)
+        return min(n, budget)
 
     def at_length(self, num_prompt_tokens: int) -> LayerGroup:
         """The group with a ratio fixed into the budget it gives a prompt of this length (for
@@ -278,13 +297,15 @@ def plan_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> L
     # One group per distinct keep: whole layers first, then from the most kept to the least.
     keys = sorted(set(keeps), key=_most_kept_first)
     floor = sparsity.window + sparsity.sinks + 1
+    decode_window = sparsity.decode_window if sparsity.decode_eviction else None
     groups = tuple(
         LayerGroup(
             name=_group_name(budget, ratio),
             layers=tuple(i for i in range(num_layers) if keeps[i] == (budget, ratio)),
             budget=budget,
             ratio=ratio,
-            floor=floor if ratio is not None else 0,
+            floor=0 if budget is None and ratio is None else floor,
+            decode_window=decode_window if budget is not None or ratio is not None else None,
         )
         for budget, ratio in keys
     )

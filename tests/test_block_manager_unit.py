@@ -17,11 +17,15 @@ BLOCK = 16
 BLOCKS = 46  # the pool both groups share
 # Two whole layers and two sparse ones of the tiny model: two KV groups of two layers.
 SPARSITY = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=2)
+# The same with decode eviction: the prefill keeps 32 of the budget, 8 recent tokens rotate.
+EVICTING = SparsityConfig(**{**vars(SPARSITY), "decode_eviction": True, "decode_window": 8})
 
 
-def manager(caching: bool = False, blocks: int = BLOCKS) -> BlockManager:
+def manager(
+    caching: bool = False, blocks: int = BLOCKS, sparsity: SparsityConfig = SPARSITY
+) -> BlockManager:
     retention = KVRetention.build(
-        DUMMY_PRESETS["tiny"], EngineConfig(block_size=BLOCK), SPARSITY, torch.float32
+        DUMMY_PRESETS["tiny"], EngineConfig(block_size=BLOCK), sparsity, torch.float32
     )
     assert [g.group.layers for g in retention.groups] == [(0, 1), (2, 3)]
     return BlockManager(retention, blocks, max_num_seqs=4, max_model_len=512,
@@ -43,9 +47,18 @@ def cached(bm: BlockManager) -> list[int]:
 
 
 def decode(bm: BlockManager, seq: Sequence, steps: int) -> None:
+    """Decode steps as the scheduler runs them: room for the token, then it is computed."""
     for _ in range(steps):
         assert bm.can_append(seq)
         bm.append_slot(seq)
+        seq.num_computed_tokens += 1
+
+
+def prefill(bm: BlockManager, seq: Sequence) -> None:
+    """A whole prefill, admitted and run."""
+    seq.start_prefill(bm.allocate(seq))
+    seq.num_computed_tokens = seq.prefill_len
+    bm.end_prefill(seq)
 
 
 def test_a_whole_prefill_takes_only_the_kept_blocks_in_a_sparse_group():
@@ -74,19 +87,49 @@ def test_a_chunked_prefill_holds_every_token_until_it_ends_then_shrinks_to_the_b
 def test_decode_tokens_take_a_new_block_only_where_the_last_one_is_full():
     bm = manager()
     seq = sequence("a", 100)
-    seq.start_prefill(bm.allocate(seq))
-    bm.end_prefill(seq)
+    prefill(bm, seq)
     decode(bm, seq, 8)  # whole: 100 -> 108 (block 7 full at 112); sparse: 40 -> 48 (full at 48)
     assert seq.kv_lens == [108, 48] and used(bm) == [7, 3]
-    decode(bm, seq, 1)
+    bm.append_slot(seq)  # the next step's token
     assert seq.kv_lens == [109, 49] and used(bm) == [7, 4]
     # Slots are where the token goes: block * size + offset, in each group's own blocks.
-    lens = torch.tensor([seq.kv_lens], dtype=torch.int32).T
-    slots = bm.batch_slots(bm.batch_tables([seq]), lens)
+    slots = bm.batch_slots([seq], bm.batch_tables([seq]), torch.tensor([seq.kv_lens]).T)
     assert slots.tolist() == [
         [seq.block_tables[0][6] * BLOCK + 12],
         [seq.block_tables[1][3] * BLOCK],
     ]
+    bm.check_invariants([seq])
+
+
+def test_decode_eviction_holds_a_sparse_group_at_its_budget_and_rotates_the_recent_tokens():
+    bm = manager(sparsity=EVICTING)
+    seq = sequence("a", 100)
+    prefill(bm, seq)
+    assert seq.kv_lens == [100, 32] and seq.decode_rings == [(100, 0), (32, 8)]
+    decode(bm, seq, 8)  # the ring fills: 32 -> 40 held, in 3 blocks
+    assert seq.kv_lens == [108, 40] and used(bm) == [7, 3]
+    decode(bm, seq, 300)  # the whole group grows; the sparse one stays at its budget
+    assert seq.kv_lens == [408, 40] and used(bm) == [26, 3]
+    bm.append_slot(seq)  # the 309th token after the prefill replaces the ring's oldest
+    slots = bm.batch_slots([seq], bm.batch_tables([seq]), torch.tensor([seq.kv_lens]).T)
+    index = 32 + 308 % 8
+    assert slots.tolist() == [
+        [seq.block_tables[0][408 // BLOCK] * BLOCK + 408 % BLOCK],
+        [seq.block_tables[1][index // BLOCK] * BLOCK + index % BLOCK],
+    ]
+    assert seq.kv_lens == [409, 40]
+    bm.check_invariants([seq])
+    bm.free(seq)
+    assert used(bm) == [0, 0]
+
+
+def test_decode_eviction_after_a_short_prompt_appends_up_to_the_budget_first():
+    bm = manager(sparsity=EVICTING)
+    seq = sequence("a", 20)  # under the budget less the window: kept whole, then 20 appended
+    prefill(bm, seq)
+    assert seq.kv_lens == [20, 20] and seq.decode_rings == [(20, 0), (20, 20)]
+    decode(bm, seq, 50)
+    assert seq.kv_lens == [70, 40]
     bm.check_invariants([seq])
 
 

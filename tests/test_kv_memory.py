@@ -74,6 +74,41 @@ def test_a_sparse_layer_holds_its_budget_and_every_token_generated_after_it():
     assert out.kv_tokens_held == {"full": 200 + 299, "budget40": 40 + 299}
 
 
+def test_with_decode_eviction_a_sparse_layer_never_holds_more_than_its_budget():
+    """The prefill keeps the budget less the decode window (40 - 16), the generated tokens fill
+    the rest, then each replaces the oldest of them: 40 held at the end, in 3 blocks of a
+    sparse layer instead of 22. Eight sequences of 200 + 300 tokens then run at once in a pool
+    of 600 one-layer blocks (53 each at the end: 32 whole, 7 x 3 sparse) where without
+    eviction they need 186 each and preempt one another."""
+    prompt = list(range(1, 201))
+    params = SamplingParams(max_tokens=300, ignore_eos=True)
+    held, preemptions, most_running = {}, {}, {}
+    for eviction in (False, True):
+        sparsity = SparsityConfig(
+            policy="snapkv", budget=40, window=8, sinks=2, full_layers=1,
+            decode_eviction=eviction, decode_window=16,
+        )  # fmt: skip
+        # 8 layers of the tiny model in float32: 4 KiB per one-layer block of 16 tokens.
+        llm = LLM("dummy:tiny", sparsity=sparsity, max_model_len=1024, block_size=16,
+                  kv_cache_memory_gb=600 * 4096 / 2**30, hf_overrides={"num_hidden_layers": 8})  # fmt: skip
+        engine = llm.engine
+        assert engine.scheduler.block_manager.pool.num_blocks == 600
+        for i in range(8):
+            engine.add_request(f"r{i}", prompt, params)
+        most, finished = 0, []
+        while engine.has_unfinished:
+            finished += [out for out in engine.step() if out.finished]
+            engine.check_invariants()
+            most = max(most, engine.stats().num_running)
+        held[eviction] = finished[0].kv_tokens_held
+        preemptions[eviction] = engine.stats().num_preemptions
+        most_running[eviction] = most
+    assert held[False] == {"full": 200 + 299, "budget40": 40 + 299}
+    assert held[True] == {"full": 200 + 299, "budget40": 40}
+    assert preemptions[True] == 0 and most_running[True] == 8, (preemptions, most_running)
+    assert preemptions[False] > 0, preemptions
+
+
 def test_full_layers_list_keeps_exactly_those_layers_whole():
     llm = LLM(
         "dummy:tiny",

@@ -6,13 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import tokenizers
 import torch
 import transformers
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.models.config import DUMMY_PRESETS
 from sparse_core.models.loader import load_model_source
+from tests.hf_checkpoints import save_checkpoint
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 77, 8, 120, 64, 31, 200], [9, 9, 140, 33, 7]]
 NEW_TOKENS = 24
@@ -35,16 +35,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("qwen3")
-    model.save_pretrained(path)
-    # A word-level tokenizer of the 300 ids ("t0" ...), for the engine's detokenizer.
-    vocab = {f"t{i}": i for i in range(300)}
-    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
-    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, bos_token="t1", eos_token="t2"
-    ).save_pretrained(path)
-    return path, model
+    return save_checkpoint(model, tmp_path_factory.mktemp("qwen3")), model
 
 
 def transformers_greedy(model: torch.nn.Module, prompt: list[int]) -> list[int]:

@@ -27,6 +27,13 @@ def _tail_first(tables: list[list[int]]) -> list[int]:
     return [block for column in columns for block in column if block is not None]
 
 
+def _grows(held: int, ring: tuple[int, int]) -> bool:
+    """Whether a group holding `held` tokens takes one more for the next token fed, rather
+    than replacing one in its full decode ring."""
+    first, size = ring
+    return size == 0 or held < first + size
+
+
 class BlockManager:
     """Owns the block pool the KV groups share, and a host-side mirror of every running
     sequence's block tables; how many tokens each group holds of a sequence, it asks the
@@ -61,6 +68,7 @@ class BlockManager:
         whole prompt)."""
         self.groups = retention.groups
         self.block_size = retention.block_size
+        self.decode_eviction = any(g.group.decode_window is not None for g in self.groups)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.min_uncached_tokens = min_uncached_tokens
@@ -175,10 +183,12 @@ class BlockManager:
             self.host_tables[g][seq.table_row, : len(table)] = torch.tensor(table)
         self.prefix_cache_queries += n
         self.prefix_cache_hits += num_cached
-        # Prompt tokens still to come (forced one per step) are kept whole.
+        # Prompt tokens still to come (forced one per step) are kept whole, up to decode
+        # eviction's bound.
         seq.prompt_kv_lens = [
             group.tokens_after_prefill(n, seq.num_forced_prompt_tokens) for group in self.groups
         ]
+        seq.decode_rings = [group.decode_ring(n) for group in self.groups]
         return num_cached
 
     def clear_prefix_cache(self) -> None:
@@ -223,21 +233,27 @@ class BlockManager:
     def can_append_all(self, seqs: list[Sequence]) -> bool:
         """Room for one more token of every one of the sequences, in every group."""
         bs = self.block_size
-        new = sum(kv_len % bs == 0 for seq in seqs for kv_len in seq.kv_lens)
+        new = sum(
+            held % bs == 0 and _grows(held, ring)
+            for seq in seqs
+            for held, ring in zip(seq.kv_lens, seq.decode_rings, strict=True)
+        )
         return new <= self.pool.num_free
 
     def append_slot(self, seq: Sequence) -> None:
         """Room for the token being decoded in every group: one more token held, in a new
-        block where the last one is full. Its slot is the last of what each group holds
-        (`batch_slots`)."""
+        block where the last one is full, unless decode eviction holds the group at its bound
+        (the token then replaces the oldest in its ring). Its slot: `batch_slots`."""
         self._last_admission = None
         bs, kv_lens = self.block_size, seq.kv_lens
-        for g, pos in enumerate(kv_lens):
-            if pos % bs == 0:
+        for g, (held, ring) in enumerate(zip(kv_lens, seq.decode_rings, strict=True)):
+            if not _grows(held, ring):
+                continue
+            if held % bs == 0:
                 table = seq.block_tables[g]
                 table += self.pool.allocate(1, g)
                 self.host_tables[g, seq.table_row, len(table) - 1] = table[-1]
-        kv_lens[:] = [pos + 1 for pos in kv_lens]
+            kv_lens[g] = held + 1
 
     def free(self, seq: Sequence) -> None:
         """Release the sequence's blocks (those of a prefill that caches stay in the cache only
@@ -257,12 +273,21 @@ class BlockManager:
         width = max(max(map(len, seq.block_tables)) for seq in seqs)
         return self.host_tables[:, rows, :width]
 
-    def batch_slots(self, tables: torch.Tensor, kv_lens: torch.Tensor) -> torch.Tensor:
-        """The slots of the sequences' last held tokens (int64 [groups, B]), from their
-        `batch_tables` and their tokens held in every group (int [groups, B])."""
-        last = kv_lens.long() - 1
-        blocks = tables.gather(2, (last // self.block_size).unsqueeze(2)).squeeze(2)
-        return blocks.long() * self.block_size + last % self.block_size
+    def batch_slots(
+        self, seqs: list[Sequence], tables: torch.Tensor, kv_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """The slots the sequences' decoded tokens go to in every group (int64 [groups, B]),
+        from their `batch_tables` and the tokens each group holds (int [groups, B]): the last
+        of them, or with decode eviction its place in the group's ring
+        (`GroupRetention.decode_ring`)."""
+        index = kv_lens.long() - 1
+        if self.decode_eviction:
+            rings = torch.tensor([seq.decode_rings for seq in seqs]).permute(2, 1, 0)
+            first, size = rings  # [G, B] each
+            later = torch.tensor([seq.num_computed_tokens - seq.prefill_len for seq in seqs])
+            index = torch.where(size > 0, first + later % size.clamp(min=1), index)
+        blocks = tables.gather(2, (index // self.block_size).unsqueeze(2)).squeeze(2)
+        return blocks.long() * self.block_size + index % self.block_size
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Per layer group (its KV groups together): the used and cached blocks it holds, and

@@ -18,10 +18,13 @@ compresses) ask instead of deriving it:
 - after the prefill's last token it keeps LayerGroup.kept_tokens of them (min(n, budget), or a
   ratio-th of n for calibrated budgets; all n in a whole group), then one more for every token
   fed after it (generated or forced);
+- with decode eviction a sparse group never holds more than its budget: the prefill keeps the
+  budget less the decode window, and the tokens fed after it fill the rest (its *ring*), then
+  each replaces the oldest of them (`decode_ring`);
 - its peak is the larger of the two.
 
 `KVRetention.build` makes them once, from the model, engine and sparsity configs and the model's
-dtype; a new retention shape (decode-time eviction, say) changes this file.
+dtype; a new retention shape changes this file.
 """
 
 from __future__ import annotations
@@ -88,7 +91,17 @@ class GroupRetention:
     def tokens_after_prefill(self, num_prefill_tokens: int, num_later_tokens: int = 0) -> int:
         """Tokens held once a prefill of `num_prefill_tokens` is compressed and
         `num_later_tokens` more (generated, or prompt tokens forced one per step) are fed."""
-        return self.group.kept_tokens(num_prefill_tokens) + num_later_tokens
+        held = self.group.kept_tokens(num_prefill_tokens) + num_later_tokens
+        most = self.group.max_tokens(num_prefill_tokens)
+        return held if most is None else min(held, most)
+
+    def decode_ring(self, num_prefill_tokens: int) -> tuple[int, int]:
+        """Where the tokens fed after a prefill of this length go, as (first, size): the i-th
+        of them goes to the held token index first + i % size (decode eviction: the oldest of
+        them is replaced), or first + i with size 0 (each one appended)."""
+        n = num_prefill_tokens
+        kept, most = self.group.kept_tokens(n), self.group.max_tokens(n)
+        return kept, 0 if most is None else most - kept
 
     def peak_tokens(
         self, num_prefill_tokens: int, num_later_tokens: int, chunked_prefill_tokens: int = 0

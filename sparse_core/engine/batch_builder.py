@@ -158,7 +158,7 @@ class BatchBuilder:
             ),
             table_rows=torch.tensor([seq.table_row for seq in seqs]),
             positions=[seq.num_computed_tokens for seq in seqs],
-            slots=block_manager.batch_slots(tables, context_lens),
+            slots=block_manager.batch_slots(seqs, tables, context_lens),
             block_tables=tables,
             context_lens=context_lens.contiguous(),
         )

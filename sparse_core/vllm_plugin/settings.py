@@ -53,7 +53,13 @@ def parse_settings(raw: dict[str, Any] | str | None) -> PluginSettings | None:
     options = dict(raw)
     model_name = options.pop("model_name", None)
     input_len = options.pop("expected_input_len", EngineConfig.expected_input_len)
-    return PluginSettings(SparsityConfig.from_dict(options), model_name, input_len)
+    sparsity = SparsityConfig.from_dict(options)
+    if sparsity.decode_eviction:
+        raise ValueError(
+            "decode_eviction is not supported by the vLLM plugin (vLLM's KV cache specs append "
+            "every decoded token); use the native engine (--engine native) for it"
+        )
+    return PluginSettings(sparsity, model_name, input_len)
 
 
 def settings_from_vllm_config(vllm_config: Any) -> PluginSettings | None:

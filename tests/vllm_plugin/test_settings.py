@@ -60,6 +60,7 @@ def test_model_name_picks_the_calibrated_profile():
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be a dictionary"),
         ({"policy": "snapkv", "budget": 8, "window": 32}, "must be greater than window"),
+        ({"policy": "snapkv", "decode_eviction": True}, "not supported by the vLLM plugin"),
     ],
 )
 def test_bad_settings_name_the_problem(raw, message):
