@@ -48,6 +48,9 @@
 #                  tokens, default 3500), FP8 weights + KV, 24 GB cap: snapkv and dense with the
 #                  prefix cache (the default), snapkv without it; then unique prompts, snapkv with
 #                  and without it (what the cache costs when nothing is shared)
+#   decode-eviction snapkv FP8 weights + KV, 24 GB cap, with and without --decode-eviction (a
+#                  sparse layer holds at most its budget): 4000/500, then a long output
+#                  ($LONG_INPUT_LEN/$LONG_OUTPUT_LEN, default 1000/8000, 32 prompts)
 #   vllm-prefix-cache stock vLLM fp8/fp8 with its prefix cache on the same shared-prefix prompts,
 #                  and on unique prompts (python -m sparse_core.bench.vllm_plugin --engines stock)
 #   chart-workloads the chart's Ray Serve application ($CHART_CONFIG) under the loads users
@@ -352,6 +355,20 @@ step_prefix-cache() {
     python3 -m sparse_core.cli bench throughput --policies snapkv $fp8 --no-enable-prefix-caching \
         --num-prompts "$NUM_PROMPTS" --json "$OUT/prefix_cache_unique_off.json" \
         2>"$OUT/prefix_cache_unique_off.log"
+}
+
+step_decode-eviction() {
+    local fp8="--policies snapkv --quantization fp8 --kv-cache-dtype fp8 --gpu-memory-limit-gb 24"
+    local evict name long="--input-len ${LONG_INPUT_LEN:-1000} --output-len ${LONG_OUTPUT_LEN:-8000}"
+    for evict in "" --decode-eviction; do
+        name=decode_eviction${evict:+_on}
+        # shellcheck disable=SC2086  # flag lists
+        python3 -m sparse_core.cli bench throughput $fp8 $evict --num-prompts "$NUM_PROMPTS" \
+            --json "$OUT/$name.json" 2>"$OUT/$name.log"
+        # shellcheck disable=SC2086
+        python3 -m sparse_core.cli bench throughput $fp8 $evict $long --num-prompts 32 \
+            --max-model-len 9216 --json "$OUT/${name}_long.json" 2>"$OUT/${name}_long.log"
+    done
 }
 
 step_vllm-prefix-cache() {

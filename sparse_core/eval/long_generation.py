@@ -2,7 +2,7 @@
 decode eviction.
 
     python -m sparse_core.eval.long_generation [--prompt-len 1000] [--new-tokens 1000]
-        [--every 50] [--prompts 3] [--budget 256] [--decode-windows 64,128]
+        [--every 100] [--prompts 3] [--budget 256] [--decode-windows 64,128]
 
 Each prompt is a stretch of the evaluation suite's English text; the next `new_tokens` tokens of
 the same text are then fed one per decode step over the compressed cache (`compress_prefix_len`:
@@ -53,11 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--prompt-len", type=int, default=1000)
     p.add_argument("--new-tokens", type=int, default=1000)
-    p.add_argument("--every", type=int, default=50, help="read the greedy choice every N tokens")
+    p.add_argument("--every", type=int, default=100, help="read the greedy choice every N tokens")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--budget", type=int, default=256)
     p.add_argument("--decode-windows", default="64,128", help="decode eviction's windows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=6.0)
     args = p.parse_args(argv)
 
     source = load_model_source(args.model)
@@ -74,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
             model_source=source,
             sparsity=sparsity,
             max_model_len=args.prompt_len + args.new_tokens + 8,
+            # Every request at once, held whole in the dense run: no preemption recomputes one.
             max_num_seqs=len(fed) * args.prompts,
-            kv_cache_memory_gb=4.0,
+            kv_cache_memory_gb=args.kv_cache_memory_gb,
         ) as llm:
             texts = text_windows(llm, args.prompts, args.prompt_len + args.new_tokens, args.seed)
             chosen, held = greedy_choices(llm, texts, args.prompt_len, fed)
