@@ -228,3 +228,10 @@ def test_the_serving_guide_lists_every_flag():
         if line.startswith("| `--")
     }
     assert {f"`{s.flag}`" for s in SETTINGS} <= flags
+
+
+def test_a_bench_run_with_decode_eviction_says_so_in_its_label():
+    ((label, _, sparsity),) = run_configs(
+        parse("bench", "throughput", "--policies", "snapkv", "--decode-eviction")
+    )
+    assert sparsity.decode_eviction and label == "snapkv 3 full evict@128 uncapped"

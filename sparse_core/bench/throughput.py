@@ -316,6 +316,8 @@ def run_configs(args: argparse.Namespace) -> list[tuple[str, EngineConfig, Spars
             label = f"{policy} budgets"
         if run["layer_budgets"] is not None:
             run["full_layers"] = None
+        if run["decode_eviction"]:
+            label += f" evict@{run['decode_window']}"
         runs.append((f"{label}{weights}{kv} {cap}", config, SparsityConfig(**run)))
     return runs
 
