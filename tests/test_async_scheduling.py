@@ -186,3 +186,20 @@ def test_a_new_prompt_joins_the_next_step_only_with_a_slot_and_room_left():
     window = chunked.min_last_chunk
     assert chunked.admits_another_prompt(100)  # a first chunk of 4 tokens
     assert not chunked.admits_another_prompt(window)  # too short to split, too long for 4
+
+
+def test_decode_eviction_rotates_the_same_tokens_with_steps_launched_ahead():
+    """The ring's slot of a token fed in flight comes from the same count of tokens fed as a
+    plain step's: 60 generated tokens go round a sparse group's ring (48 less the prompt)."""
+    sparsity = SparsityConfig(**{**vars(SPARSITY), "decode_eviction": True, "decode_window": 8})
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    requests = [(str(i), p, params) for i, p in enumerate(PROMPTS)]
+    runs, records = {}, {}
+    for flag in (False, True):
+        engine = LLM(sparsity=sparsity, async_scheduling=flag, max_model_len=512,
+                     kv_cache_memory_gb=0.1).engine  # fmt: skip
+        runs[flag] = _drive(engine, {0: requests}, {})
+        records[flag] = engine.step_records
+    _same(runs[False], runs[True])
+    assert sum(r.launched_ahead for r in records[True]) > len(records[True]) / 2
+    assert all(out.kv_tokens_held["budget48"] == 48 for out in runs[True].values())
