@@ -71,8 +71,8 @@ class SparsityConfig:
                   once it is full. Off: every generated token is kept (the layer grows by one
                   per step).
     decode_window: with decode_eviction, the recent tokens a sparse layer keeps of those fed
-                  after the prefill (at most its budget less window and sinks, so that the
-                  prompt keeps at least those)
+                  after the prefill (at most its budget less window, sinks and one, so that
+                  the prompt keeps those and one scored token)
     """
 
     policy: Policy = option("dense", "which tokens the sparse layers keep")

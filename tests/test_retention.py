@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_core.cache.retention import KVRetention, layers_per_block
+from sparse_core.cache.retention import GroupRetention, KVRetention, layers_per_block
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.policy import LayerGroup
 
 TINY = DUMMY_PRESETS["tiny"]  # 4 layers, 2 KV heads of 16 dims
 SPARSE = SparsityConfig(policy="snapkv", budget=40, window=8, sinks=2, full_layers=1)
@@ -86,3 +87,27 @@ def test_the_cache_is_cut_into_blocks_every_group_shares_and_refused_below_two_a
     with pytest.raises(ValueError, match=r"too small.*4 KV groups.*\['budget40', 'full'\]"):
         r.num_blocks(7 * 128 * 16)
     assert r.num_blocks(8 * 128 * 16) == 8
+
+
+def test_decode_eviction_bounds_a_sparse_group_at_its_budget():
+    evicting = SparsityConfig(**{**vars(SPARSE), "decode_eviction": True, "decode_window": 16})
+    sparse = retention(evicting).groups[1]
+    assert sparse.tokens_after_prefill(100) == 24  # the budget less the window
+    assert sparse.tokens_after_prefill(100, 5) == 29
+    assert sparse.tokens_after_prefill(100, 300) == 40  # never more than the budget
+    assert sparse.decode_ring(100) == (24, 16)
+    assert sparse.decode_ring(10) == (10, 30)  # a short prompt whole, its ring the rest
+    assert sparse.peak_tokens(100, 300) == 40
+    # The window leaves the prompt its window, its sinks (8 + 2) and one scored token.
+    narrow = SparsityConfig(**{**vars(evicting), "decode_window": 100})
+    assert retention(narrow).groups[1].decode_ring(100) == (11, 29)
+
+
+def test_with_decode_eviction_a_ratio_budget_peaks_at_the_longest_prefill():
+    """A preempted sequence prefills its outputs too, and a ratio budget grows with the prefill:
+    its peak is the longest prefill's budget, not the prompt's."""
+    group = LayerGroup("ratio4", (1,), ratio=4.0, floor=11, decode_window=16)
+    ratio = GroupRetention(group, block_size=16)
+    assert ratio.tokens_after_prefill(64, 960) == 16  # ceil(64 / 4)
+    assert ratio.peak_tokens(64, 960) == 16
+    assert ratio.peak_tokens(64, 960, longest_prefill_tokens=1023) == 256  # ceil(1023 / 4)

@@ -104,11 +104,22 @@ class GroupRetention:
         return kept, 0 if most is None else most - kept
 
     def peak_tokens(
-        self, num_prefill_tokens: int, num_later_tokens: int, chunked_prefill_tokens: int = 0
+        self,
+        num_prefill_tokens: int,
+        num_later_tokens: int,
+        chunked_prefill_tokens: int = 0,
+        longest_prefill_tokens: int | None = None,
     ) -> int:
         """Most tokens a sequence ever holds: after its prefill and `num_later_tokens` more, or
-        while a chunked prefill of `chunked_prefill_tokens` (0: none) holds all of them."""
-        after = self.tokens_after_prefill(num_prefill_tokens, num_later_tokens)
+        while a chunked prefill of `chunked_prefill_tokens` (0: none) holds all of them. A
+        preempted sequence prefills again, up to `longest_prefill_tokens`: more kept tokens
+        then mean as many fewer fed after, but decode eviction's bound grows with a ratio
+        budget, so the bound is the longest prefill's."""
+        n = num_prefill_tokens
+        after = self.group.kept_tokens(n) + num_later_tokens
+        most = self.group.max_tokens(max(n, longest_prefill_tokens or n))
+        if most is not None:
+            after = min(after, most)
         return max(after, chunked_prefill_tokens)
 
     def caching_admission_blocks(self, num_prefill_tokens: int, num_cached_tokens: int) -> int:

@@ -70,7 +70,10 @@ class RequestChecker:
             longest_prefill = min(len(seq) + seq.params.max_tokens, self.max_model_len) - 1
         chunked = longest_prefill if longest_prefill > self.longest_whole_prefill else 0
         later = len(seq) - prefill + seq.params.max_tokens
-        need = sum(g.blocks(g.peak_tokens(prefill, later, chunked)) for g in self.retention.groups)
+        need = sum(
+            g.blocks(g.peak_tokens(prefill, later, chunked, longest_prefill))
+            for g in self.retention.groups
+        )
         if need > self.num_blocks:
             return (
                 f"the prompt plus max_tokens needs {need} KV blocks, and the cache has "
