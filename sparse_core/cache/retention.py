@@ -91,9 +91,7 @@ class GroupRetention:
     def tokens_after_prefill(self, num_prefill_tokens: int, num_later_tokens: int = 0) -> int:
         """Tokens held once a prefill of `num_prefill_tokens` is compressed and
         `num_later_tokens` more (generated, or prompt tokens forced one per step) are fed."""
-        held = self.group.kept_tokens(num_prefill_tokens) + num_later_tokens
-        most = self.group.max_tokens(num_prefill_tokens)
-        return held if most is None else min(held, most)
+        return self._held(num_prefill_tokens, num_later_tokens, num_prefill_tokens)
 
     def decode_ring(self, num_prefill_tokens: int) -> tuple[int, int]:
         """Where the tokens fed after a prefill of this length go, as (first, size): the i-th
@@ -116,11 +114,15 @@ class GroupRetention:
         then mean as many fewer fed after, but decode eviction's bound grows with a ratio
         budget, so the bound is the longest prefill's."""
         n = num_prefill_tokens
-        after = self.group.kept_tokens(n) + num_later_tokens
-        most = self.group.max_tokens(max(n, longest_prefill_tokens or n))
-        if most is not None:
-            after = min(after, most)
+        after = self._held(n, num_later_tokens, max(n, longest_prefill_tokens or n))
         return max(after, chunked_prefill_tokens)
+
+    def _held(self, num_prefill_tokens: int, num_later_tokens: int, bound_length: int) -> int:
+        """The prefill's kept tokens and those fed after it, at most decode eviction's bound
+        for a prefill of `bound_length` tokens."""
+        held = self.group.kept_tokens(num_prefill_tokens) + num_later_tokens
+        most = self.group.max_tokens(bound_length)
+        return held if most is None else min(held, most)
 
     def caching_admission_blocks(self, num_prefill_tokens: int, num_cached_tokens: int) -> int:
         """New blocks a prefill that caches takes at admission: every prefill token's beyond

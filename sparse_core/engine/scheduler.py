@@ -101,8 +101,9 @@ class Scheduler:
         """With async scheduling, after `step_done(in_flight)`: the next step, to launch before
         `in_flight`'s tokens reach the host, when it needs nothing of them but the tokens
         themselves: its decode rows are fed `in_flight`'s sampled tokens on the device (the
-        device token pool), beside the waiting prompts that fit. Only when no prompt is being prefilled in chunks, every
-        row of `in_flight` samples a token (`wanted`), and there is room without preempting.
+        device token pool), beside the waiting prompts that fit. Only when no prompt is being
+        prefilled in chunks, every row of `in_flight` samples a token (`wanted`), and there is
+        room without preempting.
         A sequence that `in_flight` finishes by length is left out; one that it ends with a stop
         token or string has one token computed in vain. None when the next step must wait.
 
