@@ -37,7 +37,9 @@ class LayerGroup:
     `ratio`-th of each (calibrated budgets: the compression asked for at every prompt length),
     or, with neither, all of it. With `decode_window` (decode eviction) the budget bounds what
     the layers ever hold: the prefill keeps the budget less that many tokens, which then hold
-    the most recent of the tokens fed after it."""
+    the most recent of the tokens fed after it. With `sliding_window` (the sliding-window
+    layers of a model such as Gemma 3) the layers attend to the last that many tokens only, and
+    hold no more: the most recent of the prompt, then of every token fed after it."""
 
     name: str
     layers: tuple[int, ...]
@@ -45,21 +47,25 @@ class LayerGroup:
     ratio: float | None = None  # keeps ceil(n / ratio) of an n-token prompt, at least `floor`
     floor: int = 0  # fewest tokens a prompt keeps: what the window and sinks need
     decode_window: int | None = None  # decode eviction's recent tokens; None: no eviction
+    sliding_window: int | None = None  # the model's attention window of these layers
 
     @property
     def whole(self) -> bool:
-        return self.budget is None and self.ratio is None
+        return self.budget is None and self.ratio is None and self.sliding_window is None
 
     def budget_tokens(self, num_prompt_tokens: int) -> int | None:
         """The budget for a prompt of this length, in tokens per KV head (None: whole)."""
         if self.ratio is not None:
             return ratio_budget(num_prompt_tokens, self.ratio, self.floor)
-        return self.budget
+        return self.budget if self.sliding_window is None else self.sliding_window
 
     def max_tokens(self, num_prompt_tokens: int) -> int | None:
         """The most tokens per KV head the group ever holds of a sequence with a prompt of this
-        length: its budget with decode eviction, else None (it grows with every token fed)."""
-        return None if self.decode_window is None else self.budget_tokens(num_prompt_tokens)
+        length: its budget with decode eviction, its window if it slides, else None (it grows
+        with every token fed)."""
+        if self.decode_window is None and self.sliding_window is None:
+            return None
+        return self.budget_tokens(num_prompt_tokens)
 
     def kept_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens per KV head this group holds right after prefilling a prompt."""
@@ -288,10 +294,51 @@ def resolve_full_layers(sparsity: SparsityConfig, num_layers: int, model_name: s
     return sorted(spec)
 
 
-def plan_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> LayerPlan:
-    """Layer groups of a model under a sparsity config."""
+@dataclass(frozen=True)
+class SlidingLayers:
+    """A model's sliding-window layers (Gemma 3's local layers): each attends to the last
+    `window` tokens only, so it keeps that many whatever the sparsity config; sparsity, the
+    layers kept whole and calibration are over the model's other layers."""
+
+    window: int
+    layers: tuple[int, ...]
+
+
+def plan_layers(
+    sparsity: SparsityConfig,
+    num_layers: int,
+    model_name: str,
+    sliding: SlidingLayers | None = None,
+) -> LayerPlan:
+    """Layer groups of a model under a sparsity config. With sliding-window layers they form a
+    group of their own, and the config's layer indices (full_layers, layer_budgets, profiles)
+    count the other layers only: index i is the i-th of them."""
+    sliding_layers = set(sliding.layers) if sliding is not None else set()
+    scored = [i for i in range(num_layers) if i not in sliding_layers]
+    groups, layer_to_group, source = _plan_scored(sparsity, len(scored), model_name)
+    to_group = [0] * num_layers
+    for i, g in zip(scored, layer_to_group, strict=True):
+        to_group[i] = g
+    groups = tuple(
+        dataclasses.replace(g, layers=tuple(scored[i] for i in g.layers)) for g in groups
+    )
+    if sliding is not None and sliding.layers:
+        for i in sliding.layers:
+            to_group[i] = len(groups)
+        window = LayerGroup(
+            f"sliding{sliding.window}", tuple(sorted(sliding_layers)),
+            sliding_window=sliding.window,
+        )  # fmt: skip
+        groups = (*groups, window)
+    return LayerPlan(groups, tuple(to_group), source)
+
+
+def _plan_scored(
+    sparsity: SparsityConfig, num_layers: int, model_name: str
+) -> tuple[tuple[LayerGroup, ...], tuple[int, ...], str]:
+    """The groups of `num_layers` layers that attend to the whole context, numbered from 0."""
     if not sparsity.compresses:
-        return LayerPlan((LayerGroup("full", tuple(range(num_layers))),), (0,) * num_layers, "none")
+        return (LayerGroup("full", tuple(range(num_layers))),), (0,) * num_layers, "none"
     sparsity, source = with_full_layers_given(sparsity, model_name)
     keeps = layer_keeps(sparsity, num_layers, model_name)
     # One group per distinct keep: whole layers first, then from the most kept to the least.
@@ -309,8 +356,7 @@ def plan_layers(sparsity: SparsityConfig, num_layers: int, model_name: str) -> L
         )
         for budget, ratio in keys
     )
-    layer_to_group = tuple(keys.index(k) for k in keeps)
-    return LayerPlan(groups, layer_to_group, source)
+    return groups, tuple(keys.index(k) for k in keeps), source
 
 
 def _most_kept_first(keep: LayerKeep) -> tuple[int, float]:

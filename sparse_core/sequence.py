@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparse_core.cache.retention import DecodeRing
 from sparse_core.outputs import TokenLogprobs
 from sparse_core.sampling_params import SamplingParams
 
@@ -46,8 +47,8 @@ class Sequence:
     # Per layer group: the tokens its cache held when the sequence finished (kv_lens then).
     final_kv_lens: list[int] = field(default_factory=list)
     # Per layer group, from the last admission: where the tokens fed after the prefill go
-    # (GroupRetention.decode_ring: first held index, ring size or 0).
-    decode_rings: list[tuple[int, int]] = field(default_factory=list)
+    # (GroupRetention.decode_ring).
+    decode_rings: list[DecodeRing] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens fed through the model since the last (re)prefill
     num_scheduled_tokens: int = 0  # tokens the current step feeds: a prefill (chunk), or one
     prefill_len: int = 0  # num_prefill_tokens when last admitted: what its (re)prefill feeds
@@ -71,7 +72,7 @@ class Sequence:
     def reset_cache_state(self) -> None:
         self.block_tables = [[] for _ in range(self.num_groups)]
         self.kv_lens = [0] * self.num_groups
-        self.decode_rings = [(0, 0)] * self.num_groups
+        self.decode_rings = [DecodeRing(0, 0)] * self.num_groups
         self.kept_tables = [None] * self.num_groups
         self.caches_prefill = False
         self.table_row = -1

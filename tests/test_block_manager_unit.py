@@ -105,7 +105,7 @@ def test_decode_eviction_holds_a_sparse_group_at_its_budget_and_rotates_the_rece
     bm = manager(sparsity=EVICTING)
     seq = sequence("a", 100)
     prefill(bm, seq)
-    assert seq.kv_lens == [100, 32] and seq.decode_rings == [(100, 0), (32, 8)]
+    assert seq.kv_lens == [100, 32] and seq.decode_rings == [(100, 0, 0), (32, 8, 0)]
     decode(bm, seq, 8)  # the ring fills: 32 -> 40 held, in 3 blocks
     assert seq.kv_lens == [108, 40] and used(bm) == [7, 3]
     decode(bm, seq, 300)  # the whole group grows; the sparse one stays at its budget
@@ -127,7 +127,7 @@ def test_decode_eviction_after_a_short_prompt_appends_up_to_the_budget_first():
     bm = manager(sparsity=EVICTING)
     seq = sequence("a", 20)  # under the budget less the window: kept whole, then 20 appended
     prefill(bm, seq)
-    assert seq.kv_lens == [20, 20] and seq.decode_rings == [(20, 0), (20, 20)]
+    assert seq.kv_lens == [20, 20] and seq.decode_rings == [(20, 0, 0), (20, 20, 0)]
     decode(bm, seq, 50)
     assert seq.kv_lens == [70, 40]
     bm.check_invariants([seq])

@@ -95,12 +95,12 @@ def test_decode_eviction_bounds_a_sparse_group_at_its_budget():
     assert sparse.tokens_after_prefill(100) == 24  # the budget less the window
     assert sparse.tokens_after_prefill(100, 5) == 29
     assert sparse.tokens_after_prefill(100, 300) == 40  # never more than the budget
-    assert sparse.decode_ring(100) == (24, 16)
-    assert sparse.decode_ring(10) == (10, 30)  # a short prompt whole, its ring the rest
+    assert sparse.decode_ring(100) == (24, 16, 0)
+    assert sparse.decode_ring(10) == (10, 30, 0)  # a short prompt whole, its ring the rest
     assert sparse.peak_tokens(100, 300) == 40
     # The window leaves the prompt its window, its sinks (8 + 2) and one scored token.
     narrow = SparsityConfig(**{**vars(evicting), "decode_window": 100})
-    assert retention(narrow).groups[1].decode_ring(100) == (11, 29)
+    assert retention(narrow).groups[1].decode_ring(100) == (11, 29, 0)
 
 
 def test_with_decode_eviction_a_ratio_budget_peaks_at_the_longest_prefill():

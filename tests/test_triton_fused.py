@@ -36,11 +36,17 @@ def test_rms_norm(dtype, rows, cols, with_residual):
     close(res, expected_res, dtype)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("rows", "cols"), SIZES)
-def test_silu_and_mul(dtype, rows, cols):
-    x = torch.randn(rows, 2 * cols, device=DEVICE).to(dtype)
-    close(tf.silu_and_mul(x), ref.silu_and_mul(x), dtype)
+def test_act_and_mul(dtype, rows, cols, activation):
+    x = (3 * torch.randn(rows, 2 * cols, device=DEVICE)).to(dtype)
+    close(tf.act_and_mul(x, activation), ref.act_and_mul(x, activation), dtype)
+
+
+def test_an_unknown_activation_is_refused():
+    with pytest.raises(ValueError, match="unsupported activation 'relu'"):
+        tf.act_and_mul(torch.zeros(2, 8, device=DEVICE), "relu")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -206,6 +206,37 @@ def test_prefill_attention_of_chunks_after_cached_keys(dtype: torch.dtype, key_l
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 45])
+def test_prefill_attention_in_a_sliding_window(window: int, key_loads: str) -> None:
+    """Gemma 3's local layers: each query sees its last `window` keys, in whole prompts and in
+    chunks after cached keys (the window reaching back into them, or not)."""
+    torch.manual_seed(window)
+    query_lens, key_lens = [37, 5, 40, 1, 9], [50, 5, 113, 70, 9]
+    q, k, v, cu_q, cu_k = _chunks(query_lens, key_lens, 4, 2, torch.float32)
+    out, lse = tk.prefill_attention(
+        q, k, v, cu_q, 0.3, max(query_lens), cu_seqlens_k=cu_k, sliding_window=window
+    )
+    ref_out, ref_lse = ref.prefill_attention(q, k, v, cu_q, 0.3, cu_k, sliding_window=window)
+    _close(out, ref_out, torch.float32)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    # The CPU path's fused SDPA masks alike; a window past the prompt is plain causal.
+    sdpa = ref.causal_attention(q, k, v, cu_q, 0.3, cu_k, sliding_window=window)
+    _close(sdpa, ref_out, torch.float32)
+    whole_q, whole_k, whole_v, cu = _packed([37, 70], 4, 2, 32, torch.float32)
+    out = tk.prefill_attention(whole_q, whole_k, whole_v, cu, 0.3, sliding_window=window)[0]
+    _close(
+        out,
+        ref.prefill_attention(whole_q, whole_k, whole_v, cu, 0.3, sliding_window=window)[0],
+        torch.float32,
+    )
+    unbounded = ref.prefill_attention(whole_q, whole_k, whole_v, cu, 0.3)[0]
+    assert torch.equal(
+        ref.prefill_attention(whole_q, whole_k, whole_v, cu, 0.3, sliding_window=70)[0], unbounded
+    )
+    if window < 37:
+        assert not torch.allclose(out, unbounded)
+
+
 def test_head_dim_must_be_power_of_two() -> None:
     q, k, v, cu = _packed([4], 2, 2, 48, torch.float32)
     with pytest.raises(ValueError, match="power of two"):

@@ -39,7 +39,7 @@ def calibrated_shape(
     random-weight model has no profile of its own)."""
     ratios = nearest_budget_profile(profile_model, target_compression).layer_ratios
     preset = DUMMY_PRESETS.get(model.removeprefix("dummy:")) if model.startswith("dummy:") else None
-    num_layers = (preset or load_model_source(model).config).num_hidden_layers
+    num_layers = (preset or load_model_source(model).config).num_scored_layers
     resampled = [ratios[i * len(ratios) // num_layers] for i in range(num_layers)]
     return budgets_for_ratios(resampled, input_len, window + sinks + 1)
 

@@ -27,13 +27,6 @@ def _tail_first(tables: list[list[int]]) -> list[int]:
     return [block for column in columns for block in column if block is not None]
 
 
-def _grows(held: int, ring: tuple[int, int]) -> bool:
-    """Whether a group holding `held` tokens takes one more for the next token fed, rather
-    than replacing one in its full decode ring."""
-    first, size = ring
-    return size == 0 or held < first + size
-
-
 class BlockManager:
     """Owns the block pool the KV groups share, and a host-side mirror of every running
     sequence's block tables; how many tokens each group holds of a sequence, it asks the
@@ -68,7 +61,8 @@ class BlockManager:
         whole prompt)."""
         self.groups = retention.groups
         self.block_size = retention.block_size
-        self.decode_eviction = any(g.group.decode_window is not None for g in self.groups)
+        # Whether any group has a decode ring (decode eviction, sliding-window layers).
+        self.rings = any(g.group.max_tokens(1) is not None for g in self.groups)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.min_uncached_tokens = min_uncached_tokens
@@ -234,7 +228,7 @@ class BlockManager:
         """Room for one more token of every one of the sequences, in every group."""
         bs = self.block_size
         new = sum(
-            held % bs == 0 and _grows(held, ring)
+            held % bs == 0 and ring.grows(held)
             for seq in seqs
             for held, ring in zip(seq.kv_lens, seq.decode_rings, strict=True)
         )
@@ -247,7 +241,7 @@ class BlockManager:
         self._last_admission = None
         bs, kv_lens = self.block_size, seq.kv_lens
         for g, (held, ring) in enumerate(zip(kv_lens, seq.decode_rings, strict=True)):
-            if not _grows(held, ring):
+            if not ring.grows(held):
                 continue
             if held % bs == 0:
                 table = seq.block_tables[g]
@@ -278,14 +272,13 @@ class BlockManager:
     ) -> torch.Tensor:
         """The slots the sequences' decoded tokens go to in every group (int64 [groups, B]),
         from their `batch_tables` and the tokens each group holds (int [groups, B]): the last
-        of them, or with decode eviction its place in the group's ring
-        (`GroupRetention.decode_ring`)."""
+        of them, or its place in the group's ring (`GroupRetention.decode_ring`)."""
         index = kv_lens.long() - 1
-        if self.decode_eviction:
+        if self.rings:
             rings = torch.tensor([seq.decode_rings for seq in seqs]).permute(2, 1, 0)
-            first, size = rings  # [G, B] each
+            first, size, offset = rings  # [G, B] each
             later = torch.tensor([seq.num_computed_tokens - seq.prefill_len for seq in seqs])
-            index = torch.where(size > 0, first + later % size.clamp(min=1), index)
+            index = torch.where(size > 0, first + (offset + later) % size.clamp(min=1), index)
         blocks = tables.gather(2, (index // self.block_size).unsqueeze(2)).squeeze(2)
         return blocks.long() * self.block_size + index % self.block_size
 

@@ -21,6 +21,9 @@ compresses) ask instead of deriving it:
 - with decode eviction a sparse group never holds more than its budget: the prefill keeps the
   budget less the decode window, and the tokens fed after it fill the rest (its *ring*), then
   each replaces the oldest of them (`decode_ring`);
+- a sliding-window group holds the last `sliding_window` tokens: the prompt's most recent
+  after prefill (written to blocks of its own, so that its ring never writes into a block
+  another sequence reads), then each token fed replaces the oldest once the window is full;
 - its peak is the larger of the two.
 
 `KVRetention.build` makes them once, from the model, engine and sparsity configs and the model's
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -74,13 +78,31 @@ def split_plan(plan: LayerPlan, size: int) -> LayerPlan:
     return dataclasses.replace(plan, groups=tuple(groups), layer_to_group=tuple(layer_to_group))
 
 
+class DecodeRing(NamedTuple):
+    """The held token index the i-th token fed after a prefill goes to: first + (offset + i)
+    % size, or first + i with size 0 (each one appended)."""
+
+    first: int
+    size: int
+    offset: int = 0
+
+    def grows(self, held: int) -> bool:
+        """Whether a group holding `held` tokens takes one more for the next token fed, rather
+        than replacing one in its full ring."""
+        return self.size == 0 or held < self.first + self.size
+
+
 @dataclass(frozen=True)
 class GroupRetention:
     group: LayerGroup  # its name, layers and budget (None: whole)
     block_size: int  # tokens per block
 
     def compresses(self, num_prefill_tokens: int) -> bool:
-        """Whether the group keeps fewer tokens than a prefill of this length feeds."""
+        """Whether the group writes a prefill of this length's kept tokens apart from the
+        prefill: it keeps fewer than it feeds, or its window slides (a sliding group's ring
+        then replaces tokens in its own blocks, never in cached ones)."""
+        if self.group.sliding_window is not None:
+            return True
         return self.tokens_after_prefill(num_prefill_tokens) < num_prefill_tokens
 
     def tokens_at_admission(self, num_prefill_tokens: int, chunked: bool = False) -> int:
@@ -93,13 +115,17 @@ class GroupRetention:
         `num_later_tokens` more (generated, or prompt tokens forced one per step) are fed."""
         return self._held(num_prefill_tokens, num_later_tokens, num_prefill_tokens)
 
-    def decode_ring(self, num_prefill_tokens: int) -> tuple[int, int]:
-        """Where the tokens fed after a prefill of this length go, as (first, size): the i-th
-        of them goes to the held token index first + i % size (decode eviction: the oldest of
-        them is replaced), or first + i with size 0 (each one appended)."""
+    def decode_ring(self, num_prefill_tokens: int) -> DecodeRing:
+        """Where the tokens fed after a prefill of this length go (`DecodeRing`): after the
+        kept prompt tokens, the oldest of them replaced once the bound is reached (decode
+        eviction); or, in a sliding group, over every held token, the oldest replaced."""
         n = num_prefill_tokens
         kept, most = self.group.kept_tokens(n), self.group.max_tokens(n)
-        return kept, 0 if most is None else most - kept
+        if most is None:
+            return DecodeRing(kept, 0)
+        if self.group.sliding_window is not None:
+            return DecodeRing(0, most, kept % most)
+        return DecodeRing(kept, most - kept)
 
     def peak_tokens(
         self,
@@ -184,7 +210,7 @@ class KVRetention:
         model's, which the cache takes unless kv_cache_dtype is FP8. Under tensor parallelism a
         rank caches its share of the KV heads."""
         assert config.block_size is not None, "EngineConfig.on_device fills block_size"
-        layer_plan = plan_layers(sparsity, model.num_hidden_layers, model.name)
+        layer_plan = plan_layers(sparsity, model.num_hidden_layers, model.name, model.sliding)
         size = layers_per_block([len(g.layers) for g in layer_plan.groups])
         plan = split_plan(layer_plan, size)
         kv_dtype = FP8_DTYPE if config.fp8_kv_cache else dtype

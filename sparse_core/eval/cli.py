@@ -217,7 +217,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         title = f"{args.model}: layer profiles at equal compression"
     elif args.budget_comparison:
         full_layers = load_profile(source.config.name)["full_layers"]
-        num_layers = source.config.num_hidden_layers
+        num_layers = source.config.num_scored_layers
         configs = lb.comparison_configs(_floats(args.ratios), full_layers, num_layers)
         title = f"{args.model}: per-layer budgets at equal effective compression"
     elif args.layer_budgets:
@@ -253,7 +253,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             _note(f"{args.model} has a calibrated profile already: {existing}")
             return 0
     samples, source = _samples(args)
-    num_layers, name = source.config.num_hidden_layers, source.config.name
+    num_layers, name = source.config.num_scored_layers, source.config.name
     settings = _settings(args)
     _note(
         f"calibrate {name}: {num_layers} layers in bands of {args.band_size}, "
@@ -317,7 +317,7 @@ def cmd_calibrate_budgets(args: argparse.Namespace) -> int:
     (sparse_core/eval/layer_budgets.py says how), then the comparison on other samples."""
     targets, levels = _floats(args.target_compression), _ints(args.levels)
     samples, source = _samples(args)
-    num_layers, name = source.config.num_hidden_layers, source.config.name
+    num_layers, name = source.config.num_scored_layers, source.config.name
     floor = args.window + args.sinks
     short = min(len(s.prompt_ids) for s in samples)
     too_small = [r for r in levels if round(short / r) <= floor]

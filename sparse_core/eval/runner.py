@@ -172,7 +172,7 @@ def run_config(
 
 
 def _make_llm(config: EvalConfig, length: int, settings: RunSettings, source: ModelSource) -> LLM:
-    num_layers, name = source.config.num_hidden_layers, source.config.name
+    num_layers, name = source.config.num_scored_layers, source.config.name
     sparsity = config.sparsity(length, num_layers, name, settings.window, settings.sinks)
     return LLM(
         model=settings.model,

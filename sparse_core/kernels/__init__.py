@@ -30,13 +30,16 @@ class KernelOps:
     store_selected_kv: Callable
     paged_decode_attention: Callable
     rms_norm: Callable
-    silu_and_mul: Callable
+    act_and_mul: Callable
     rotate_and_store_kv: Callable
     rotate_store_and_decode: Callable
 
 
-def _sdpa_prefill(q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None, out=None):
-    return reference.causal_attention(q, k, v, cu_seqlens, scale, cu_seqlens_k, out), None
+def _sdpa_prefill(
+    q, k, v, cu_seqlens, scale, max_seqlen=None, cu_seqlens_k=None, out=None, sliding_window=None
+):
+    out = reference.causal_attention(q, k, v, cu_seqlens, scale, cu_seqlens_k, out, sliding_window)
+    return out, None
 
 
 REFERENCE_OPS = KernelOps(
@@ -49,7 +52,7 @@ REFERENCE_OPS = KernelOps(
     store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
     rms_norm=reference.rms_norm,
-    silu_and_mul=reference.silu_and_mul,
+    act_and_mul=reference.act_and_mul,
     rotate_and_store_kv=reference.rotate_and_store_kv,
     rotate_store_and_decode=reference.rotate_store_and_decode,
 )
@@ -69,7 +72,7 @@ def _triton_ops() -> KernelOps:
         store_selected_kv=tk.store_selected_kv,
         paged_decode_attention=tk.paged_decode_attention,
         rms_norm=tf.rms_norm,
-        silu_and_mul=tf.silu_and_mul,
+        act_and_mul=tf.act_and_mul,
         rotate_and_store_kv=tk.rotate_and_store_kv,
         rotate_store_and_decode=tk.rotate_store_and_decode,
     )

@@ -27,12 +27,14 @@ def prefill_attention(
     scale: float,
     cu_seqlens_k: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
     `cu_seqlens_k` (default: `cu_seqlens`) packs the keys apart from the queries: a sequence may
     have more keys than queries, its queries being its last tokens (a prompt chunk after the
     chunks already cached). `out`: where to write the output (default: a new tensor).
+    `sliding_window`: each query sees only the last that many keys (itself included).
     Materialises each sequence's logits: use it as an oracle and for short sequences.
     """
     num_q, num_kv = q.shape[1], k.shape[1]
@@ -43,7 +45,7 @@ def prefill_attention(
         ks = k[k_start:k_end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
         vs = v[k_start:k_end].float().transpose(0, 1).repeat_interleave(num_q // num_kv, dim=0)
         logits = torch.matmul(qs, ks.transpose(1, 2)) * scale
-        visible = _causal_mask(end - start, k_end - k_start, q.device)
+        visible = _causal_mask(end - start, k_end - k_start, q.device, sliding_window)
         logits = logits.masked_fill(~visible, float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)  # [Hq, n]
         probs = torch.exp(logits - row_lse.unsqueeze(-1))
@@ -60,6 +62,7 @@ def causal_attention(
     scale: float,
     cu_seqlens_k: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` without LSE, through torch's fused SDPA.
 
@@ -70,10 +73,12 @@ def causal_attention(
     for (start, end), (k_start, k_end) in _query_and_key_bounds(cu_seqlens, cu_seqlens_k):
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         ks, vs = (x[k_start:k_end].transpose(0, 1).unsqueeze(0) for x in (k, v))
-        if k_end - k_start == end - start:
+        num_keys = k_end - k_start
+        if num_keys == end - start and (sliding_window is None or sliding_window >= num_keys):
             mask, causal = None, True
         else:  # SDPA's is_causal aligns the mask top-left; these queries are the last tokens
-            mask, causal = _causal_mask(end - start, k_end - k_start, q.device), False
+            mask = _causal_mask(end - start, num_keys, q.device, sliding_window)
+            causal = False
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )
@@ -89,12 +94,16 @@ def _query_and_key_bounds(
     return list(zip(q_bounds, k_bounds, strict=True))
 
 
-def _causal_mask(num_queries: int, num_keys: int, device: torch.device) -> torch.Tensor:
+def _causal_mask(
+    num_queries: int, num_keys: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
     """[queries, keys]: query i (the sequence's token num_keys - num_queries + i) sees keys up to
-    itself."""
-    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(
-        num_keys - num_queries
-    )
+    itself, and with a sliding window only the last that many of them."""
+    ones = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
+    visible = ones.tril(num_keys - num_queries)
+    if sliding_window is not None:
+        visible &= ones.triu(num_keys - num_queries - sliding_window + 1)
+    return visible
 
 
 def window_lse(q_win: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
@@ -373,10 +382,21 @@ def rms_norm(
     return weight * normed, x
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up."""
+# The MLP gate activations: Llama's, and Gemma's GELU (its tanh approximation).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}; supported: {ACTIVATIONS}")
+
+
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> act(gate) * up."""
+    check_activation(activation)
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
 
 
 def apply_rotary_(

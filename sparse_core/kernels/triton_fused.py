@@ -1,5 +1,5 @@
 """Fused element-wise Triton kernels of the decoder layer: RMSNorm (with the residual add) and
-SiLU-and-multiply (rotary embedding, fused with the KV store, is with the attention kernels in
+the MLP's activation-and-multiply, SiLU or GELU (rotary embedding, fused with the KV store, is with the attention kernels in
 `triton_kernels.py`).
 
 A decode step is a few hundred tiny kernels; on a GPU each costs a few microseconds however
@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from sparse_core.kernels import reference
 from sparse_core.kernels.launcher import launch
 from sparse_core.kernels.triton_kernels import early_launch
 
@@ -65,9 +66,10 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr
-):
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols,
+    GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
     if PDL:
         gdc_wait()
     row = tl.program_id(0)
@@ -76,18 +78,27 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    if GELU:
+        # GELU's tanh approximation: 0.5 (1 + tanh(z)) = sigmoid(2 z), z = sqrt(2 / pi) (g +
+        # 0.044715 g^3).
+        z2 = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-z2))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    act = act.to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> act(gate) * up, [T, I] (`reference.act_and_mul`)."""
+    reference.check_activation(activation)
     rows, width = x.shape
     half = width // 2
     out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
     block = 1024
     launch(
-        _silu_and_mul_kernel, (rows, triton.cdiv(half, block)),
-        x, out, x.stride(0), out.stride(0), half, BLOCK=block, **early_launch(x),
+        _act_and_mul_kernel, (rows, triton.cdiv(half, block)),
+        x, out, x.stride(0), out.stride(0), half,
+        GELU=activation == "gelu_pytorch_tanh", BLOCK=block, **early_launch(x),
     )  # fmt: skip
     return out

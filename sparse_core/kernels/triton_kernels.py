@@ -76,15 +76,19 @@ def early_launch(x: torch.Tensor) -> dict[str, bool]:
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, v):
+def _online_softmax_step(acc, m_i, l_i, s, v, MASKED_ROWS: tl.constexpr = False):
     """Fold one tile of base-2 logits s [M, N] and its values v [N, D] into the running state.
 
     m_i is the running row max, l_i the running sum of exp2(s - m_i), acc the unnormalised output.
-    The caller guarantees every row of s has at least one finite entry (no -inf - -inf NaN).
+    Without MASKED_ROWS the caller guarantees every row of s has at least one finite entry (no
+    -inf - -inf NaN); with it, a row that has seen no key yet stays empty.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = m_new
+    if MASKED_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return acc, m_new, l_i
@@ -111,13 +115,16 @@ def _prefill_key_tiles(
     lo,
     hi,
     scale_log2,
+    window,
     CAUSAL_MASK: tl.constexpr,
+    SLIDING: tl.constexpr,
     TMA: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Attend the query tile (at key positions `rows`) to keys [lo, hi); mask (causal and
-    key < hi) only where asked. k_src / v_src: tensor descriptors of the [T, Hkv * D] keys and
+    key < hi, and with SLIDING keys older than the row's last `window`) only where asked: a
+    sliding mask needs the causal one. k_src / v_src: tensor descriptors of the [T, Hkv * D] keys and
     values (TMA), whose tile at row k_row0 + key, column `col` is wanted; else pointers to the
     prompt's first key of this head."""
     dims = tl.arange(0, HEAD_DIM)
@@ -145,8 +152,13 @@ def _prefill_key_tiles(
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         if CAUSAL_MASK:
             visible = (keys[None, :] <= rows[:, None]) & key_ok[None, :]
+            if SLIDING:
+                # Padded rows (past hi) are read as the last key's, which they then see.
+                newest = tl.minimum(rows, hi - 1)
+                visible &= keys[None, :] > newest[:, None] - window
             s = tl.where(visible, s, float("-inf"))
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v)
+        # A sliding window's first tiles may lie wholly before some rows' windows.
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, MASKED_ROWS=SLIDING)
     return acc, m_i, l_i
 
 
@@ -169,11 +181,13 @@ def _prefill_kernel(
     stride_oh,
     stride_lh,
     scale_log2,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     # k_ptr / v_ptr: tensor descriptors with TMA, else the keys' and values' base pointers.
     # Heaviest tiles (furthest down the diagonal) are launched first so the tail of the grid is
@@ -209,22 +223,35 @@ def _prefill_kernel(
         k_src = k_ptr + k_start * stride_kt + kv_head * stride_kh
         v_src = v_ptr + k_start * stride_vt + kv_head * stride_vh
 
-    # Whole key tiles left of this tile's diagonal block are visible to every row: no mask.
-    # Without earlier chunks (first = 0) they end exactly at the diagonal, BLOCK_M being a
-    # multiple of BLOCK_N.
     diagonal = first + m_start
-    unmasked_end = diagonal // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _prefill_key_tiles(
-        acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, k_start, col, first + rows, 0,
-        unmasked_end, scale_log2, CAUSAL_MASK=False, TMA=TMA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
-    # The rest up to the diagonal block's end: causal mask; key tiles beyond it are never
-    # visited. Every row, padded ones included, sees key unmasked_end, so no row is all -inf.
-    acc, m_i, l_i = _prefill_key_tiles(
-        acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, k_start, col, first + rows,
-        unmasked_end, tl.minimum(diagonal + BLOCK_M, num_keys), scale_log2,
-        CAUSAL_MASK=True, TMA=TMA, HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
-    )  # fmt: skip
+    end = tl.minimum(diagonal + BLOCK_M, num_keys)
+    if SLIDING:
+        # From the key tile of the first row's oldest visible key to the diagonal block's end,
+        # every tile masked (causal and window).
+        lo = tl.maximum(diagonal - window + 1, 0) // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_key_tiles(
+            acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, k_start, col, first + rows,
+            lo, end, scale_log2, window, CAUSAL_MASK=True, SLIDING=True, TMA=TMA,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+    else:
+        # Whole key tiles left of this tile's diagonal block are visible to every row: no
+        # mask. Without earlier chunks (first = 0) they end exactly at the diagonal, BLOCK_M
+        # being a multiple of BLOCK_N.
+        unmasked_end = diagonal // BLOCK_N * BLOCK_N
+        acc, m_i, l_i = _prefill_key_tiles(
+            acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, k_start, col, first + rows,
+            0, unmasked_end, scale_log2, window, CAUSAL_MASK=False, SLIDING=False, TMA=TMA,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
+        # The rest up to the diagonal block's end: causal mask; key tiles beyond it are never
+        # visited. Every row, padded ones included, sees key unmasked_end, so no row is all
+        # -inf.
+        acc, m_i, l_i = _prefill_key_tiles(
+            acc, m_i, l_i, q, k_src, v_src, stride_kt, stride_vt, k_start, col, first + rows,
+            unmasked_end, end, scale_log2, window, CAUSAL_MASK=True, SLIDING=False, TMA=TMA,
+            HEAD_DIM=HEAD_DIM, BLOCK_N=BLOCK_N,
+        )  # fmt: skip
 
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + (start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
@@ -285,13 +312,14 @@ def prefill_attention(
     max_seqlen: int | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention within each packed sequence; returns (out [T, Hq, D], lse [Hq, T]).
 
     `max_seqlen` (the most queries of a sequence) sizes the grid; pass it to avoid a
-    device-to-host sync on cu_seqlens. `cu_seqlens_k`: keys packed apart from the queries, as
-    in `reference.prefill_attention`. `out`: where to write the output (default: a new tensor;
-    its head dim must be contiguous).
+    device-to-host sync on cu_seqlens. `cu_seqlens_k`: keys packed apart from the queries, and
+    `sliding_window`, as in `reference.prefill_attention`. `out`: where to write the output
+    (default: a new tensor; its head dim must be contiguous).
     """
     num_tokens, num_q, head_dim = q.shape
     num_kv = k.shape[1]
@@ -322,8 +350,9 @@ def prefill_attention(
         q, k_src, v_src, out, lse, cu_seqlens, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        scale * LOG2E,
+        scale * LOG2E, sliding_window or 0,
         GROUP=num_q // num_kv, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, TMA=tma,
+        SLIDING=sliding_window is not None,
         **_launch_options(q, num_warps, num_stages),
     )  # fmt: skip
     return out, lse

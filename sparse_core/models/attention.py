@@ -10,7 +10,10 @@ from torch import nn
 from sparse_core.kernels import KernelOps
 from sparse_core.kernels.fp8 import UNIT_SCALES, KVScales
 from sparse_core.models.rotary import RotaryEmbedding
-from sparse_core.selection import PromptBatch, SelectionPolicy
+from sparse_core.selection import PromptBatch, SelectionPolicy, StreamingLLM
+
+# What a sliding-window layer keeps of a prompt: its last tokens.
+MOST_RECENT = StreamingLLM(sinks=0)
 
 
 @dataclass
@@ -126,15 +129,20 @@ class PagedAttention(nn.Module):
         group: int,
         ops: KernelOps,
         rotary: RotaryEmbedding,
+        scale: float | None = None,
+        sliding_window: int | None = None,
     ) -> None:
         """num_heads / num_kv_heads: this rank's heads; group: the layer's layer group (the
         step's metadata says which prompts it compresses, to how many tokens); rotary: the
-        model's RoPE tables, applied to q and k as they are stored."""
+        layer's RoPE tables, applied to q and k as they are stored; scale: of the logits
+        (default 1/sqrt(head_dim)); sliding_window: a sliding-window layer's window (its
+        group holds that many tokens, so only a prefill masks the older keys), else None."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         self.group = group
         self.ops = ops
         self.rotary = rotary
@@ -188,9 +196,10 @@ class PagedAttention(nn.Module):
         out: torch.Tensor,
     ) -> None:
         """RoPE on q and k, then causal attention within each prompt (over its cached chunks
-        too), written to `out`; every token's K/V is stored, except in a group that compresses
-        the prompt in this step: there only the selected tokens are written (over the cached
-        chunks, which held the whole prompt)."""
+        too; in a sliding-window layer over the window), written to `out`; every token's K/V is
+        stored, except in a group that compresses the prompt in this step: there only the
+        selected tokens are written (over the cached chunks, which held the whole prompt); a
+        sliding-window layer keeps the most recent."""
         group = meta.groups[self.group]
         ops = self.ops
         self.ops.rotate_and_store_kv(
@@ -205,11 +214,12 @@ class PagedAttention(nn.Module):
             cu_seqlens_k = meta.context.cu_seqlens_k
         _, lse = ops.prefill_attention(
             q, k, v, meta.cu_seqlens, self.scale, meta.max_seqlen, cu_seqlens_k=cu_seqlens_k,
-            out=out,
+            out=out, sliding_window=self.sliding_window,
         )  # fmt: skip
         if group.compress:
-            assert meta.selection is not None
-            kept_rows = meta.selection.select(q, k, lse, group.compress.prompts, self.scale)
+            selection = MOST_RECENT if self.sliding_window is not None else meta.selection
+            assert selection is not None
+            kept_rows = selection.select(q, k, lse, group.compress.prompts, self.scale)
             ops.store_selected_kv(
                 k, v, kept_rows, self.k_cache, self.v_cache, group.compress.kept_slots,
                 self.kv_scales,

@@ -1,5 +1,5 @@
 """Shape and hyper-parameters of a Llama-architecture model (Llama 2/3, Mistral, Qwen2, Qwen3,
-SmolLM2)."""
+SmolLM2) and of Gemma 3's variant of it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparse_core.models.prequantized import CheckpointQuantization
+from sparse_core.policy import SlidingLayers
+
+# Hugging Face model types read from config.json.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SLIDING = "sliding_attention"  # Hugging Face's layer type of a sliding-window layer
 
 
 @dataclass
@@ -34,6 +39,19 @@ class ModelConfig:
     # The checkpoint's own quantization (config.json's quantization_config; models/prequantized.py):
     # its linear weights are stored in FP8 with their scales. None: unquantized weights.
     checkpoint_quantization: CheckpointQuantization | None = None
+    # Gemma 3. Layers whose type is "sliding_attention" attend to the last `sliding_window`
+    # tokens only (the token itself included), with RoPE of base `rope_local_theta`.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    hidden_act: str = "silu"  # the MLP's gate activation: silu | gelu_pytorch_tanh
+    # Gemma's layer layout: norms after attention and after the MLP too (four a layer), norm
+    # weights stored as offsets from 1 (the loader adds it), embeddings scaled by
+    # sqrt(hidden_size).
+    sandwich_norms: bool = False
+    norm_weight_offset: float = 0.0
+    scaled_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -48,9 +66,37 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    @property
+    def embedding_scale(self) -> float:
+        return self.hidden_size**0.5 if self.scaled_embeddings else 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding(self) -> SlidingLayers | None:
+        """The sliding-window layers, if the model has any."""
+        if self.sliding_window is None or not self.layer_types:
+            return None
+        layers = tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
+        return SlidingLayers(self.sliding_window, layers) if layers else None
+
+    @property
+    def num_scored_layers(self) -> int:
+        """The layers that attend to the whole context, which sparsity configs and calibrated
+        profiles index (`policy.plan_layers`): all but the sliding-window ones."""
+        sliding = self.sliding
+        return self.num_hidden_layers - (len(sliding.layers) if sliding is not None else 0)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], name: str = "model") -> ModelConfig:
         """Build from a Hugging Face `config.json` dictionary."""
+        if hf.get("model_type") == "gemma3_text":
+            return _gemma3_from_hf_dict(hf, name)
         eos = hf.get("eos_token_id")
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         rope_scaling = hf.get("rope_scaling")
@@ -92,6 +138,59 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
+def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
+    """Gemma 3's text config: RoPE per layer type (transformers >= 5 nests it under
+    `rope_parameters` by layer type; earlier configs give `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq`), layer types listed or given by their pattern."""
+    for softcap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(softcap) is not None:
+            raise ValueError(f"{name}: {softcap} is set; logit soft-capping is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"{name}: use_bidirectional_attention is set; only causal attention is")
+    num_layers = hf["num_hidden_layers"]
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)
+        ]
+    by_type = hf.get("rope_parameters") or {}
+    full_rope = dict(by_type.get("full_attention") or hf.get("rope_scaling") or {})
+    theta = full_rope.pop("rope_theta", hf.get("rope_theta", 1_000_000.0))
+    local_theta = (by_type.get(SLIDING) or {}).get(
+        "rope_theta", hf.get("rope_local_base_freq", 10_000.0)
+    )
+    scaling = full_rope if full_rope.get("rope_type", "default") != "default" else None
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=num_layers,
+        num_attention_heads=hf["num_attention_heads"],
+        num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        vocab_size=hf["vocab_size"],
+        head_dim=hf.get("head_dim", 256),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        max_position_embeddings=hf.get("max_position_embeddings", 131072),
+        tie_word_embeddings=hf.get("tie_word_embeddings", True),
+        attention_bias=hf.get("attention_bias", False),
+        qk_norm=True,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        name=name,
+        layer_types=tuple(layer_types),
+        sliding_window=hf.get("sliding_window", 4096),
+        rope_local_theta=float(local_theta),
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+        hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"),
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        scaled_embeddings=True,
+    )
+
+
 # Random-weight presets of real shapes (`dummy:<name>`), for benchmarks and tests.
 DUMMY_PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
@@ -127,6 +226,31 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=40960,
         qk_norm=True,
         name="dummy:qwen3-8b",
+    ),
+    # Gemma-3-12B's text shape: 5 sliding-window layers (1,024 tokens) for each global one.
+    "gemma3-12b": ModelConfig(
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        vocab_size=262208,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        qk_norm=True,
+        name="dummy:gemma3-12b",
+        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else SLIDING for i in range(48)),
+        sliding_window=1024,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256,
+        hidden_act="gelu_pytorch_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        scaled_embeddings=True,
     ),
     "smollm2-135m": ModelConfig(
         hidden_size=576,

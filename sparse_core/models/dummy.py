@@ -28,11 +28,17 @@ def checkpoint_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...
             yield f"{prefix}.self_attn.k_proj.bias", (kv,)
             yield f"{prefix}.self_attn.v_proj.bias", (kv,)
         yield f"{prefix}.self_attn.o_proj.weight", (hidden, q)
+        if config.qk_norm:
+            yield f"{prefix}.self_attn.q_norm.weight", (dim,)
+            yield f"{prefix}.self_attn.k_norm.weight", (dim,)
         yield f"{prefix}.mlp.gate_proj.weight", (inter, hidden)
         yield f"{prefix}.mlp.up_proj.weight", (inter, hidden)
         yield f"{prefix}.mlp.down_proj.weight", (hidden, inter)
         yield f"{prefix}.input_layernorm.weight", (hidden,)
         yield f"{prefix}.post_attention_layernorm.weight", (hidden,)
+        if config.sandwich_norms:
+            yield f"{prefix}.pre_feedforward_layernorm.weight", (hidden,)
+            yield f"{prefix}.post_feedforward_layernorm.weight", (hidden,)
     yield "model.norm.weight", (hidden,)
     if not config.tie_word_embeddings:
         yield "lm_head.weight", (config.vocab_size, hidden)
@@ -41,11 +47,12 @@ def checkpoint_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...
 def dummy_weights(
     config: ModelConfig, seed: int, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Norms at one, the rest small (std 0.02) so activations stay finite through many layers.
-    Made one tensor at a time on `device`: only one full tensor exists at once."""
+    """Norms at one (stored as the checkpoint stores them: Gemma's as offsets from one), the
+    rest small (std 0.02) so activations stay finite through many layers. Made one tensor at a
+    time on `device`: only one full tensor exists at once."""
     for index, (name, shape) in enumerate(checkpoint_shapes(config)):
         if "norm" in name:
-            yield name, torch.ones(shape, device=device)
+            yield name, torch.full(shape, 1.0 - config.norm_weight_offset, device=device)
             continue
         generator = torch.Generator(device).manual_seed(seed * 1_000_003 + index)
         yield name, torch.empty(shape, device=device).normal_(0.0, 0.02, generator=generator)

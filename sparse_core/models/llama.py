@@ -1,4 +1,6 @@
-"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over packed tokens.
+"""Llama-architecture decoder (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2, and Gemma 3's
+variant: norms around attention and the MLP, GELU, scaled embeddings, sliding-window layers
+with RoPE of their own) over packed tokens.
 
 Parameters use Hugging Face names except two fusions: q/k/v projections into `qkv_proj` and
 gate/up into `gate_up_proj` (one matmul each instead of three and two); `load_weights` fuses.
@@ -9,6 +11,7 @@ keeps the rank's part.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -63,7 +66,8 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(full_q, config.hidden_size, bias=False)
         self.attn = attn
-        # Qwen3's per-head norms (one weight vector of head_dim, replicated on every rank).
+        # Qwen3's and Gemma 3's per-head norms (one weight vector of head_dim, replicated on
+        # every rank).
         self.q_norm = (
             RMSNorm(config.head_dim, config.rms_norm_eps, attn.ops) if config.qk_norm else None
         )
@@ -103,6 +107,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias=False)
         self.ops = ops
+        self.activation = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MLP_SLICE_TOKENS:
@@ -114,7 +119,7 @@ class LlamaMLP(nn.Module):
         return out
 
     def _mlp(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)), out)
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation), out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -122,8 +127,16 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, attn)
         self.mlp = LlamaMLP(config, ops)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
+        # Gemma's sandwich: post_attention_layernorm normalises the attention output before the
+        # residual add, pre_feedforward_layernorm the MLP input, post_feedforward_layernorm its
+        # output. Llama's post_attention_layernorm is Gemma's pre_feedforward_layernorm.
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, ops)
 
     # A layer runs in three parts, so that CUDA graphs can capture everything between two
     # attentions (LlamaForCausalLM.piece): attention_input, self_attn.attend, after_attention.
@@ -141,8 +154,12 @@ class LlamaDecoderLayer(nn.Module):
         self, attn_out: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream) from the attention output [T, Hq * D]."""
-        h, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(h), residual
+        x = self.self_attn.o_proj(attn_out)
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm(x, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x)[0], residual)
+        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
 
 
 class LlamaModel(nn.Module):
@@ -155,6 +172,9 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        # Rounded to the model's dtype (the default dtype while it is built), as Gemma's own.
+        dtype = torch.get_default_dtype()
+        self.embedding_scale = float(torch.tensor(config.embedding_scale, dtype=dtype))
         self.rotary = rotary  # shared with the attention layers, which apply it
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, ops) for a in attns)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -175,6 +195,13 @@ class LlamaForCausalLM(nn.Module):
         # This rank's KV heads among the model's: (first, total).
         self.kv_heads = (get_tp_rank() * local_kv, config.num_key_value_heads)
         rotary = RotaryEmbedding(config, max_positions)
+        # Sliding-window layers (Gemma 3) rotate with a base of their own, unscaled.
+        local_rotary = rotary
+        if config.rope_local_theta is not None:
+            local = dataclasses.replace(
+                config, rope_theta=config.rope_local_theta, rope_scaling=None
+            )
+            local_rotary = RotaryEmbedding(local, max_positions)
         attns = [
             PagedAttention(
                 config.num_attention_heads // tp_size,
@@ -182,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
                 config.head_dim,
                 group=plan.layer_to_group[i],
                 ops=ops,
-                rotary=rotary,
+                rotary=local_rotary if config.is_sliding(i) else rotary,
+                scale=config.attention_scale,
+                sliding_window=config.sliding_window if config.is_sliding(i) else None,
             )
             for i in range(config.num_hidden_layers)
         ]
@@ -214,6 +243,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         if index == 0:
             x, residual = self.model.embed_tokens(input_ids), None
+            if self.model.embedding_scale != 1.0:  # Gemma's
+                x = x * self.model.embedding_scale
         else:
             x, residual = layers[index - 1].after_attention(attn_out, residual)
         if index == len(layers):
@@ -301,6 +332,8 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
+            if isinstance(modules[layer_name], RMSNorm) and self.config.norm_weight_offset:
+                tensor = tensor.float() + self.config.norm_weight_offset  # Gemma's 1 + weight
             load_full = getattr(modules[layer_name], "load_full", None)
             with torch.no_grad():
                 if load_full is None:  # norms: replicated on every rank

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from sparse_core.kernels.fp8 import FP8_DTYPE
-from sparse_core.models.config import DUMMY_PRESETS, ModelConfig
+from sparse_core.models.config import DUMMY_PRESETS, HF_MODEL_TYPES, ModelConfig
 from sparse_core.models.prequantized import parse_quantization_config
 from sparse_core.models.tokenizer import ByteTokenizer, Tokenizer
 
@@ -38,7 +38,6 @@ BUILTIN_MODELS = {
 # alias -> environment variable that may name the file instead (machines without the package)
 BUILTIN_MODEL_ENV = {"smollm2-135m-instruct": "KVSPARSE_SMOLLM2_GGUF"}
 GGUF_ARCHITECTURES = ("llama", "qwen2")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -46,8 +46,9 @@ def export_hf_dir(model: str, out_dir: str | Path | None = None) -> Path:
 
 
 def hf_config(c: ModelConfig, dtype: str) -> dict[str, Any]:
-    """A Llama-architecture `config.json` for `c`."""
-    return {
+    """The Hugging Face `config.json` of `c`: Llama's, Qwen3's (norms on queries and keys) or
+    Gemma 3's text model."""
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": c.hidden_size,
@@ -63,10 +64,26 @@ def hf_config(c: ModelConfig, dtype: str) -> dict[str, Any]:
         "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": c.tie_word_embeddings,
         "attention_bias": c.attention_bias,
-        "hidden_act": "silu",
+        "hidden_act": c.hidden_act,
         "bos_token_id": c.bos_token_id,
         "eos_token_id": (
             c.eos_token_ids[0] if len(c.eos_token_ids) == 1 else c.eos_token_ids or None
         ),
         "torch_dtype": dtype,
     }
+    if c.sandwich_norms:
+        assert c.layer_types is not None  # Gemma 3's config lists them
+        config |= {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "hidden_activation": c.hidden_act,
+            "layer_types": list(c.layer_types),
+            "sliding_window": c.sliding_window,
+            "rope_local_base_freq": c.rope_local_theta,
+            "query_pre_attn_scalar": c.query_pre_attn_scalar,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        }
+    elif c.qk_norm:
+        config |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    return config

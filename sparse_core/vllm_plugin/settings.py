@@ -34,8 +34,18 @@ class PluginSettings:
         return plan_layers(self.sparsity, num_layers, name).at_length(self.expected_input_len)
 
     def compresses(self, model_config: Any) -> bool:
-        """Whether any layer of vLLM's model (its `model_config`) keeps a budget."""
-        plan = self.layer_plan(model_config.hf_text_config.num_hidden_layers, model_config.model)
+        """Whether any layer of vLLM's model (its `model_config`) keeps a budget. A model with
+        sliding-window layers is refused: the plugin's plan does not know them."""
+        text = model_config.hf_text_config
+        if getattr(text, "sliding_window", None) and "sliding_attention" in (
+            getattr(text, "layer_types", None) or []
+        ):
+            raise ValueError(
+                f"{model_config.model}: models with sliding-window layers (Gemma 3) are not "
+                "supported by kvsparse's vLLM plugin; serve them with the native engine "
+                "(--engine native)"
+            )
+        plan = self.layer_plan(text.num_hidden_layers, model_config.model)
         return plan.compresses
 
 

@@ -88,3 +88,12 @@ def test_a_memory_limit_in_gib_is_refused_before_vllm_starts():
     config = EngineConfig(model="dummy:tiny", gpu_memory_limit_gb=24)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         VllmAsyncLLM(config, SparsityConfig(policy="snapkv"))
+
+
+def test_a_model_with_sliding_window_layers_is_refused_by_name():
+    """Gemma 3's local layers keep their window; the plugin's plan would compress them."""
+    transformers = pytest.importorskip("transformers")
+    config = FakeVllmConfig({"kvsparse": {"policy": "snapkv", "budget": 256}}, num_layers=6)
+    config.model_config.hf_text_config = transformers.Gemma3TextConfig(num_hidden_layers=6)
+    with pytest.raises(ValueError, match=r"sliding-window layers \(Gemma 3\) are not supported"):
+        settings_from_vllm_config(config)
