@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from sparse_core.eval import calibrate as cal
 from sparse_core.eval.runner import EvalConfig
+from sparse_core.models.config import DUMMY_PRESETS
 
 
 @pytest.mark.parametrize("full", [0, 3, 10])
@@ -64,9 +66,7 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, monkeypatch):
 
 
 class _FakeSource:
-    class config:
-        num_hidden_layers = 30
-        name = "fake-model"
+    config = dataclasses.replace(DUMMY_PRESETS["smollm2-135m"], name="fake-model")  # 30 layers
 
 
 def test_shipped_profile_loads_for_auto():
