@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from sparse_core import LLM, EngineConfig, SamplingParams
-from sparse_core.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from sparse_core.config import SparsityConfig
+from sparse_core.distributed.layers import (
+    ColumnParallelLinear,
+    QuantizableLinear,
+    RowParallelLinear,
+    quantize_at_load,
+)
+from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -15,6 +22,10 @@ from sparse_core.kernels.fp8 import (
     quantize_rows,
     supports_fp8,
 )
+from sparse_core.models.config import DUMMY_PRESETS
+from sparse_core.models.dummy import dummy_weights
+from sparse_core.models.llama import LlamaForCausalLM
+from sparse_core.policy import plan_layers
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,17 +56,33 @@ def test_reference_is_the_dequantized_product_and_close_to_the_exact_one():
 
 @pytest.mark.parametrize("tp_layer", ["column", "row"])
 def test_quantized_layers_compute_the_reference(tp_layer):
+    """Built under quantize_at_load, a layer quantizes each full checkpoint tensor as it loads
+    (each fused part's rows on their own): it computes the FP8 reference, close to the
+    unquantized layer."""
     torch.manual_seed(0)
     if tp_layer == "column":
-        layer = ColumnParallelLinear(64, [32, 16], bias=True)
+        plain = ColumnParallelLinear(64, [32, 16], bias=True)
+        with quantize_at_load():
+            layer = ColumnParallelLinear(64, [32, 16], bias=True)
+        parts = plain.weight.data.split([32, 16])
     else:
-        layer = RowParallelLinear(64, 48, bias=False)
+        plain = RowParallelLinear(64, 48, bias=False)
+        with quantize_at_load():
+            layer = RowParallelLinear(64, 48, bias=False)
+        parts = [plain.weight.data]
+    assert layer.weight.dtype == FP8_DTYPE and not plain.quantizes_at_load
+    with torch.no_grad():
+        for index, part in enumerate(parts):
+            layer.load_full(layer.weight, part, index, "weight")
+        if plain.bias is not None:
+            layer.bias.copy_(plain.bias)
     x = torch.randn(7, 64)
     with torch.no_grad():
-        before = layer(x)
-        layer.quantize_fp8()
+        before = plain(x)
         after = layer(x)
-    assert layer.weight.dtype == FP8_DTYPE
+    weight_fp8, scale = quantize_rows(plain.weight.data)
+    assert torch.equal(layer.weight.float(), weight_fp8.float())
+    assert torch.equal(layer.weight_scale, scale)
     bias = 0 if layer.bias is None else layer.bias
     expected = fp8_linear_reference(x, layer.weight, layer.weight_scale) + bias
     assert torch.allclose(after, expected)
@@ -64,6 +91,21 @@ def test_quantized_layers_compute_the_reference(tp_layer):
         out = torch.full((9, 48), float("nan"))
         layer(x, out=out[1:8])
         assert torch.allclose(out[1:8], after) and out[[0, 8]].isnan().all()
+
+
+def test_a_model_built_to_quantize_at_load_never_holds_its_projections_unquantized():
+    """What keeps a 12B model's load under a 24 GB card: built under quantize_at_load, its
+    projections take one byte a weight before anything loads (the embeddings, LM head and
+    norms stay in the model's dtype), and stay so as the checkpoint loads."""
+    config = DUMMY_PRESETS["tiny"]
+    plan = plan_layers(SparsityConfig(policy="dense"), config.num_hidden_layers, config.name)
+    with torch.device("cpu"), quantize_at_load():
+        model = LlamaForCausalLM(config, plan, REFERENCE_OPS, 64)
+    projections = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
+    assert projections and all(m.weight.dtype == FP8_DTYPE for m in projections)
+    before = {name: p.dtype for name, p in model.named_parameters()}
+    model.load_weights(dummy_weights(config, seed=0, device=torch.device("cpu")))
+    assert {name: p.dtype for name, p in model.named_parameters()} == before
 
 
 def test_unknown_quantization_is_refused_by_name():

@@ -7,6 +7,10 @@ parameters, same matmul, no collective.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,18 +45,49 @@ def _split(size: int, tp_size: int, what: str) -> int:
     return size // tp_size
 
 
+_QUANTIZE_AT_LOAD = contextvars.ContextVar("quantize_at_load", default=False)
+
+
+@contextlib.contextmanager
+def quantize_at_load(enabled: bool = True) -> Iterator[None]:
+    """QuantizableLinear layers built inside hold FP8 weights from the start, and `load_full`
+    quantizes each unquantized checkpoint tensor as it loads (`quantization="fp8"`): the model
+    never holds its projections in the checkpoint's dtype (22 GiB of bf16 for a 12B model,
+    before quantizing would bring it to 12)."""
+    token = _QUANTIZE_AT_LOAD.set(enabled)
+    try:
+        yield
+    finally:
+        _QUANTIZE_AT_LOAD.reset(token)
+
+
 class QuantizableLinear(nn.Linear):
-    """A linear layer (no bias in its matmul) whose weight can be turned into FP8 after loading
-    (`quantize_fp8`: e4m3 with one scale per output row of this rank; sparse_core/kernels/fp8.py)."""
+    """A linear layer (no bias in its matmul) whose weight may be FP8: e4m3 with one scale per
+    output row of this rank (sparse_core/kernels/fp8.py), from a pre-quantized checkpoint
+    (`expect_fp8`) or quantized as it loads (built under `quantize_at_load`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.weight_scale: torch.Tensor | None = None  # (out, 1) float32 once quantized
+        self.weight_scale: torch.Tensor | None = None  # (out, 1) float32 once FP8
+        # Built under `quantize_at_load`: unquantized tensors are rounded to the model's dtype
+        # and quantized per row of this rank as they load (as if the model had been loaded in
+        # its dtype and quantized after).
+        self.quantizes_at_load = _QUANTIZE_AT_LOAD.get()
+        self.load_dtype = self.weight.dtype
+        if self.quantizes_at_load:
+            self.expect_fp8()
 
-    def quantize_fp8(self) -> None:
-        weight_fp8, scale = quantize_rows(self.weight.data)
-        self.weight = nn.Parameter(weight_fp8, requires_grad=False)
-        self.weight_scale = scale
+    def _loaded(
+        self, part: torch.Tensor, scale_rows: torch.Tensor | None, name: str
+    ) -> torch.Tensor:
+        """This rank's part of a checkpoint weight as the layer stores it: quantized, its scales
+        written into `scale_rows`, where the layer quantizes at load and the part is not FP8."""
+        if not self.quantizes_at_load or part.dtype == FP8_DTYPE:
+            return part
+        assert scale_rows is not None
+        part_fp8, scale = quantize_rows(part.to(self.weight.device, self.load_dtype))
+        copy_checked(scale_rows, scale, name)
+        return part_fp8
 
     def expect_fp8(self) -> None:
         """Room for a pre-quantized checkpoint's FP8 weight and scales (the representation
@@ -101,8 +136,13 @@ class ColumnParallelLinear(QuantizableLinear):
     def load_full(self, param: torch.Tensor, full: torch.Tensor, index: int, name: str) -> None:
         """Copy this rank's rows of fused part `index` (weight, FP8 weight scales or bias) from
         the full tensor."""
-        dst = param.split(self.output_sizes, dim=0)[index]
-        copy_checked(dst, shard(full, 0, self.tp_rank, self.tp_size, name), name)
+        part = shard(full, 0, self.tp_rank, self.tp_size, name)
+        if param is self.weight:
+            scales = self.weight_scale
+            part = self._loaded(
+                part, None if scales is None else scales.split(self.output_sizes)[index], name
+            )
+        copy_checked(param.split(self.output_sizes, dim=0)[index], part, name)
 
 
 class RowParallelLinear(QuantizableLinear):
@@ -127,7 +167,8 @@ class RowParallelLinear(QuantizableLinear):
         if param is self.bias or param is self.weight_scale:  # per output row: every rank's
             copy_checked(param, full, name)
         else:
-            copy_checked(param, shard(full, 1, self.tp_rank, self.tp_size, name), name)
+            part = shard(full, 1, self.tp_rank, self.tp_size, name)
+            copy_checked(param, self._loaded(part, self.weight_scale, name), name)
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -21,6 +21,7 @@ from sparse_core.cache.block_manager import BlockManager
 from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.distributed.every_rank import RankGroup, every_rank
+from sparse_core.distributed.layers import quantize_at_load
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size, rank_device
 from sparse_core.engine.batch_builder import BatchBuilder, CachedChunks, PrefillBatch, StepBatch
 from sparse_core.engine.cuda_graphs import DecodeBatch, DecodeGraphs
@@ -43,7 +44,7 @@ from sparse_core.models.attention import (
 from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import ModelSource
-from sparse_core.models.quantization import check_fp8_device, quantize_linear_layers
+from sparse_core.models.quantization import check_fp8_device
 from sparse_core.selection import PromptBatch, SelectionPolicy, selection_policy
 from sparse_core.transfers import PendingTokens, to_device
 
@@ -94,9 +95,11 @@ class ModelRunner:
         self.batch_builder = BatchBuilder(self.retention)
         torch.manual_seed(config.seed)
         # Built in its dtype where it runs: building in float32 and casting would first take
-        # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has).
+        # twice the weights' memory (30 GiB for an 8B model, more than a 24 GB card has); with
+        # quantization="fp8" its projections are FP8 from the start, each quantized as it loads.
         ops = get_ops(self.device)
-        with torch.device(self.device), _default_dtype(self.dtype):
+        quantize = config.quantization == "fp8" and prequantized is None
+        with torch.device(self.device), _default_dtype(self.dtype), quantize_at_load(quantize):
             self.model = LlamaForCausalLM(
                 model_config, self.retention.plan, ops, config.max_model_len
             )
@@ -104,10 +107,9 @@ class ModelRunner:
             self.model.load_weights(source.weights)
         else:
             self.model.load_weights(dummy_weights(model_config, config.seed, self.device))
-        if config.quantization == "fp8" and prequantized is None:
-            quantize_linear_layers(self.model)
-        elif prequantized is not None and self.device.type == "cuda":
-            # Its projections became FP8 as they loaded: the bf16 ones built first go back.
+        if self.device.type == "cuda":
+            # What loading left in the allocator's cache (a pre-quantized checkpoint's bf16
+            # projections built first, the full tensors read) goes back.
             torch.cuda.empty_cache()
         self.model.eval()
         self.tokens = DeviceTokens(config.max_num_seqs, self.device)

@@ -323,7 +323,11 @@ class LlamaForCausalLM(nn.Module):
                     unset.add(f"{layer_name}.weight_scale")
                 if kind == "weight_scale":
                     tensor = tensor.reshape(-1, 1)  # (out, 1) or (out,) in the checkpoint
-            elif kind == "weight" and params.get(target, tensor).dtype == FP8_DTYPE:
+            elif (
+                kind == "weight"
+                and params.get(target, tensor).dtype == FP8_DTYPE
+                and not modules[layer_name].quantizes_at_load
+            ):
                 raise _mixed_fp8(name, layer_name)
             if kind == "weight":
                 started.add(layer_name)

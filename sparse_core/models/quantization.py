@@ -1,11 +1,9 @@
-"""`EngineConfig.quantization`: turning a loaded model's linear layers into FP8."""
+"""`EngineConfig.quantization`: where FP8 weights can run."""
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from sparse_core.distributed.layers import QuantizableLinear
 from sparse_core.kernels.fp8 import supports_fp8
 
 
@@ -22,14 +20,3 @@ def check_fp8_device(device: torch.device, setting: str) -> None:
             f"--quantization none --kv-cache-dtype auto (the Helm chart: engine.quantization "
             f"null and engine.kv_cache_dtype auto)"
         )
-
-
-def quantize_linear_layers(model: nn.Module) -> int:
-    """Every QuantizableLinear (the attention and MLP projections) to FP8 weights, one scale per
-    output row; the embeddings and the LM head stay as they are. Returns the layers converted."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizableLinear)]
-    for layer in layers:
-        layer.quantize_fp8()
-    if any(p.is_cuda for p in model.parameters()):
-        torch.cuda.empty_cache()  # the bf16 weights' memory back to the device
-    return len(layers)
