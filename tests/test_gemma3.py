@@ -182,3 +182,32 @@ def test_a_dummy_checkpoint_fills_every_weight_and_exports_for_vllm(preset):
     norm = model.model.layers[0].input_layernorm.weight
     assert torch.equal(norm, torch.ones_like(norm))
     assert ModelConfig.from_hf_dict(hf_config(config, "bfloat16"), config.name) == config
+
+
+def test_the_text_model_of_a_multimodal_checkpoint_loads_and_matches_transformers(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration (model_type gemma3): its text
+    model alone is served, the same tokens and log-probabilities as transformers' on text."""
+    text = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=512,
+        sliding_window=WINDOW, query_pre_attn_scalar=20, initializer_range=0.3,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=28, patch_size=14,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=299,
+        boi_token_index=297, eoi_token_index=298,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    path = save_checkpoint(model, tmp_path / "gemma3-mm")
+    assert json.loads((path / "config.json").read_text())["model_type"] == "gemma3"
+    prompt = prompts()[0][:30]
+    expected = transformers_greedy(model, prompt)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    with LLM(model=str(path), sparsity=SparsityConfig(policy="dense"), dtype="float32",
+             max_model_len=256, kv_cache_memory_gb=0.05) as llm:  # fmt: skip
+        assert_same(llm.generate([prompt], params), [expected])

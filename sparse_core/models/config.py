@@ -141,7 +141,12 @@ class ModelConfig:
 def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
     """Gemma 3's text config: RoPE per layer type (transformers >= 5 nests it under
     `rope_parameters` by layer type; earlier configs give `rope_theta`, `rope_scaling` and
-    `rope_local_base_freq`), layer types listed or given by their pattern."""
+    `rope_local_base_freq`), layer types listed or given by their pattern. What the file leaves
+    out (the hub's multimodal checkpoints give a few fields of their text model) takes the
+    defaults of transformers' Gemma3TextConfig."""
+    from transformers import Gemma3TextConfig  # imported here: only Gemma 3 needs it
+
+    hf = Gemma3TextConfig(**hf).to_dict()
     for softcap in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(softcap) is not None:
             raise ValueError(f"{name}: {softcap} is set; logit soft-capping is not supported")

@@ -262,17 +262,49 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+# Multimodal checkpoints whose text model is read alone: model_type -> the text model's type.
+MULTIMODAL_TEXT_MODELS = {"gemma3": "gemma3_text"}
+# Where a multimodal checkpoint keeps its text model's tensors (transformers 4 and 5 layouts).
+TEXT_MODEL_PREFIXES = ("language_model.", "model.language_model.")
+
+
+def _text_config(hf: dict) -> dict:
+    """A multimodal checkpoint's text model config (Gemma 3 4B and up), else `hf` itself."""
+    model_type = hf.get("model_type")
+    if model_type not in MULTIMODAL_TEXT_MODELS:
+        return hf
+    text = {**hf["text_config"], "model_type": MULTIMODAL_TEXT_MODELS[model_type]}
+    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    return text
+
+
+def _text_model_weights(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint's text model tensors under their text-model names (the vision
+    tower and projector left out)."""
+    renamed = {key: t for key, t in weights.items() if key.startswith("lm_head.")}
+    for key, tensor in weights.items():
+        for prefix in TEXT_MODEL_PREFIXES:
+            if key.startswith(prefix):
+                rest = key.removeprefix(prefix)
+                renamed[rest if rest.startswith(("model.", "lm_head.")) else f"model.{rest}"] = (
+                    tensor
+                )
+    return renamed
+
+
 def _load_hf_dir(path: Path, name: str) -> ModelSource:
     hf = json.loads((path / "config.json").read_text())
-    if hf.get("model_type") not in HF_MODEL_TYPES:
+    model_type = hf.get("model_type")
+    if model_type not in HF_MODEL_TYPES and model_type not in MULTIMODAL_TEXT_MODELS:
         raise ValueError(
-            f"{path}: model_type {hf.get('model_type')!r} is not supported; supported: {HF_MODEL_TYPES}"
+            f"{path}: model_type {model_type!r} is not supported; supported: "
+            f"{HF_MODEL_TYPES + tuple(MULTIMODAL_TEXT_MODELS)}"
         )
     if hf.get("use_sliding_window"):
         raise ValueError(
             f"{path}: use_sliding_window is set; sliding-window attention is not supported"
         )
-    config = ModelConfig.from_hf_dict(hf, name=name)
+    config = ModelConfig.from_hf_dict(_text_config(hf), name=name)
     quantization = parse_quantization_config(hf.get("quantization_config"), str(path))
     config = dataclasses.replace(config, checkpoint_quantization=quantization)
     # Chat models often list extra stop ids (e.g. Llama 3's <|eot_id|>) only in generation_config.json.
@@ -289,6 +321,8 @@ def _load_hf_dir(path: Path, name: str) -> ModelSource:
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
         weights.update(load_file(shard))  # checkpoint dtype kept (bf16 for big models)
+    if model_type in MULTIMODAL_TEXT_MODELS:
+        weights = _text_model_weights(weights)
     _check_fp8_tensors(path, weights, quantized=quantization is not None)
     tokenizer = Tokenizer.from_hf_dir(
         path, config.vocab_size, config.bos_token_id, config.eos_token_ids
