@@ -28,13 +28,15 @@ POLICIES = {
     ),
     # Every rank quantizes its own KV heads into its FP8 pages.
     "snapkv-fp8-kv": (SNAPKV, {"kv_cache_dtype": "fp8"}),
+    # Gemma 3's layout: every rank's local layers hold their window (32) of its heads.
+    "gemma3-snapkv": (SNAPKV, {"model": "dummy:gemma3-tiny"}),
 }
 
 
 def engine_run(policy: str, tp: int) -> Run:
     sparsity, engine_args = POLICIES[policy]
+    engine_args = {"model": "dummy:tiny", **engine_args}
     with LLM(
-        "dummy:tiny",
         sparsity=sparsity,
         max_model_len=512,
         kv_cache_memory_gb=0.01,
@@ -73,6 +75,12 @@ def test_sparse_runs_compress(runs):
             {"full": 90, "budget64": 64},
             {"full": 70, "budget64": 64},  # compressed in a mixed step
         ]
+
+
+def test_gemma3s_local_layers_keep_their_window_on_every_rank(runs):
+    """Its global layers: one whole, one at snapkv's budget; the local ones: their window."""
+    kept = runs["gemma3-snapkv", 2].kv_tokens_per_group
+    assert kept == [{"full": n, "budget64": 64, "sliding32": 32} for n in (150, 90, 70)]
 
 
 def test_each_rank_caches_only_its_kv_heads(runs):
