@@ -29,12 +29,14 @@ def generate(
     enforce_eager: bool,
     chunked: bool = False,
     async_scheduling: bool | None = None,
+    model: str = "dummy:smollm2-135m",
+    sparsity: SparsityConfig = SPARSITY,
 ) -> list[list[int]]:
     if reference:
         monkeypatch.setattr(model_runner, "get_ops", lambda device: REFERENCE_OPS)
     llm = LLM(
-        "dummy:smollm2-135m",
-        sparsity=SPARSITY,
+        model,
+        sparsity=sparsity,
         dtype="float32",
         device="cuda",
         max_model_len=2048,
@@ -46,7 +48,8 @@ def generate(
         max_num_batched_tokens=256 if chunked else None,
         async_scheduling=async_scheduling,  # None: on, as on any GPU
     )
-    prompts = [[(i * 131 + j * 7) % 49152 for j in range(300 + 97 * i)] for i in range(5)]
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [[(i * 131 + j * 7) % vocab for j in range(300 + 97 * i)] for i in range(5)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     # Two prompts at once, then one per step: prefills alone and mixed with running decodes.
     engine, finished = llm.engine, {}
@@ -58,7 +61,8 @@ def generate(
     while engine.has_unfinished:
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
     outs = [finished[str(i)] for i in range(len(prompts))]
-    assert outs[-1].kv_tokens_per_group["budget256"] == 256  # compression happened
+    budget = f"budget{sparsity.budget}"
+    assert outs[-1].kv_tokens_per_group[budget] == sparsity.budget  # compression happened
     if async_scheduling is not False and not chunked:  # prompts joined steps launched ahead
         assert any(r.launched_ahead and r.num_prefill_seqs for r in engine.step_records)
     return [o.token_ids for o in outs]
@@ -67,6 +71,19 @@ def generate(
 def test_triton_path_matches_reference_path(monkeypatch):
     triton_tokens = generate(monkeypatch, reference=False, enforce_eager=True)
     reference_tokens = generate(monkeypatch, reference=True, enforce_eager=True)
+    assert triton_tokens == reference_tokens
+
+
+GEMMA3 = SparsityConfig(policy="snapkv", budget=64, window=16, full_layers=1)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_gemma3_with_triton_and_cuda_graphs_matches_the_reference_path(monkeypatch, chunked):
+    """Gemma 3's layout (its local layers' window of 32 sliding in prefill, chunks and the
+    decode ring) through the Triton kernels and CUDA graphs, against plain torch, eager."""
+    run = dict(model="dummy:gemma3-tiny", sparsity=GEMMA3, chunked=chunked)
+    triton_tokens = generate(monkeypatch, reference=False, enforce_eager=False, **run)
+    reference_tokens = generate(monkeypatch, reference=True, enforce_eager=True, **run)
     assert triton_tokens == reference_tokens
 
 
