@@ -21,3 +21,33 @@ def save_checkpoint(model: torch.nn.Module, path: Path) -> Path:
         tokenizer_object=words, bos_token="t1", eos_token="t2"
     ).save_pretrained(path)
     return path
+
+
+def save_fp8_dynamic(model: torch.nn.Module, path: Path) -> Path:
+    """`model` quantized FP8-Dynamic with compressed-tensors (every Linear but lm_head) and
+    saved as llm-compressor saves it; `model` is quantized in place."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    config = QuantizationConfig(config_groups={"FP8_DYNAMIC": ["Linear"]}, ignore=["lm_head"])
+    apply_quantization_config(model, config)
+    for module in model.modules():
+        scheme = getattr(module, "quantization_scheme", None)
+        if scheme is None:
+            continue
+        w = module.weight.data
+        scale, _ = calculate_qparams(
+            w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights
+        )
+        module.weight_scale.data.copy_(scale)
+        module.quantization_status = QuantizationStatus.FROZEN  # calibrated
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(path)
+    compressor.update_config(str(path))
+    return path

@@ -27,6 +27,7 @@ from sparse_core.models.dummy import dummy_weights
 from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.policy import plan_layers
 from sparse_core.vllm_plugin.hf_export import export_hf_dir
+from tests.hf_checkpoints import save_fp8_dynamic
 
 pytest.importorskip("compressed_tensors", reason="the test extra's compressed-tensors")
 
@@ -58,13 +59,6 @@ def _copy_tokenizer(src: Path, dst: Path) -> None:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """(the bf16 directory, its compressed-tensors FP8-Dynamic version)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("fp8_checkpoint")
@@ -72,22 +66,7 @@ def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     model = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     bf16, fp8 = root / "bf16", root / "fp8-dynamic"
     model.save_pretrained(bf16)
-    config = QuantizationConfig(config_groups={"FP8_DYNAMIC": ["Linear"]}, ignore=["lm_head"])
-    apply_quantization_config(model, config)
-    for module in model.modules():
-        scheme = getattr(module, "quantization_scheme", None)
-        if scheme is None:
-            continue
-        w = module.weight.data
-        scale, _ = calculate_qparams(
-            w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights
-        )
-        module.weight_scale.data.copy_(scale)
-        module.quantization_status = QuantizationStatus.FROZEN  # calibrated
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(fp8)
-    compressor.update_config(str(fp8))
+    save_fp8_dynamic(model, fp8)
     for d in (bf16, fp8):
         _copy_tokenizer(exported, d)
     return bf16, fp8

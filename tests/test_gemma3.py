@@ -22,7 +22,7 @@ from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import load_model_source
 from sparse_core.policy import SlidingLayers, plan_layers
 from sparse_core.vllm_plugin.hf_export import hf_config
-from tests.hf_checkpoints import save_checkpoint
+from tests.hf_checkpoints import save_checkpoint, save_fp8_dynamic
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -211,3 +211,34 @@ def test_the_text_model_of_a_multimodal_checkpoint_loads_and_matches_transformer
     with LLM(model=str(path), sparsity=SparsityConfig(policy="dense"), dtype="float32",
              max_model_len=256, kv_cache_memory_gb=0.05) as llm:  # fmt: skip
         assert_same(llm.generate([prompt], params), [expected])
+
+
+def test_an_fp8_dynamic_checkpoint_loads_as_stored(checkpoint, tmp_path):
+    """Gemma 3 quantized by compressed-tensors (FP8-Dynamic, as llm-compressor writes it): its
+    projections load as stored, its norms (offsets from one, unquantized) as Gemma's, and it
+    generates as the model quantized at load from the unquantized checkpoint does."""
+    pytest.importorskip("compressed_tensors", reason="the test extra's compressed-tensors")
+    model = transformers.Gemma3ForCausalLM.from_pretrained(checkpoint[0], dtype=torch.bfloat16)
+    path = save_fp8_dynamic(model, tmp_path / "fp8")
+    for f in checkpoint[0].iterdir():
+        if f.name.startswith("tokenizer"):
+            (path / f.name).write_bytes(f.read_bytes())
+    stored = load_model_source(str(path)).weights
+    # Teacher-forced: the greedy choice after each prefix of a fixed continuation (24 of 24
+    # agree on the CPU; asserted: 75%).
+    prefixes = [p + list(range(10, 10 + i)) for p in prompts() for i in range(8)]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    choices = {}
+    for name, model_path, args in (
+        ("stored", path, {}),
+        ("at-load", checkpoint[0], {"quantization": "fp8"}),
+    ):
+        with LLM(model=str(model_path), sparsity=SNAPKV, max_model_len=256,
+                 kv_cache_memory_gb=0.05, **args) as llm:  # fmt: skip
+            if name == "stored":
+                qkv = llm.engine.runner.model.model.layers[1].self_attn.qkv_proj
+                q = stored["model.layers.1.self_attn.q_proj.weight"]
+                assert torch.equal(qkv.weight[: q.shape[0]].view(torch.uint8), q.view(torch.uint8))
+            choices[name] = [out.token_ids[0] for out in llm.generate(prefixes, one)]
+    agree = sum(a == b for a, b in zip(choices["stored"], choices["at-load"], strict=True))
+    assert agree >= 0.75 * len(prefixes), f"{agree} of {len(prefixes)}"
