@@ -126,6 +126,16 @@ RUNS = {
     # Chunks of 8 tokens: each chunk's window reaches back into the chunks before it.
     "chunked": (SNAPKV, {"max_num_batched_tokens": 8, "enable_chunked_prefill": True}),
     "no-cache": (SparsityConfig(policy="dense"), {"enable_prefix_caching": False}),
+    # Without the cache a chunked prefill's local layers hold a ring of the window and a chunk
+    # (8 - 1 + 8 tokens of the 45-token prompt), which the chunks go round.
+    "chunked-no-cache": (
+        SNAPKV,
+        {
+            "max_num_batched_tokens": 8,
+            "enable_chunked_prefill": True,
+            "enable_prefix_caching": False,
+        },
+    ),
 }
 
 
@@ -145,6 +155,21 @@ def test_greedy_tokens_equal_transformers(checkpoint, expected, run):
     assert (again[0].num_cached_tokens > 0) == caching
     # The window, never more, though 45 + 24 tokens were fed; the short prompt's 5 + 23.
     assert [out.kv_tokens_held[f"sliding{WINDOW}"] for out in first] == [WINDOW] * 3
+
+
+def test_a_chunked_prefill_holds_the_window_and_a_chunk_in_the_local_layers(checkpoint):
+    """What a chunked prefill that does not cache takes at admission: every token in the global
+    layers, the window less one and a step's chunk in the local ones (the prefix cache needs
+    every token in every layer)."""
+    with LLM(model=str(checkpoint[0]), sparsity=SNAPKV, dtype="float32", max_model_len=256,
+             kv_cache_memory_gb=0.05, max_num_batched_tokens=8, enable_chunked_prefill=True,
+             enable_prefix_caching=False) as llm:  # fmt: skip
+        manager = llm.engine.block_manager
+        seq = llm.engine.make_sequence("r", prompts()[0], SamplingParams(max_tokens=4))
+        manager.allocate(seq, chunked=True)
+        held = {r.group.name: held for r, held in zip(manager.groups, seq.kv_lens, strict=True)}
+        manager.free(seq)
+    assert held == {"full": 45, "budget64": 45, f"sliding{WINDOW}": WINDOW - 1 + 8}
 
 
 def test_the_local_layers_form_a_group_of_their_own_outside_the_sparsity_plan():

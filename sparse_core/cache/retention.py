@@ -14,7 +14,9 @@ prefill), the request checker (could it ever fit) and the model runner (which pr
 compresses) ask instead of deriving it:
 
 - at admission the group holds the prefill whole while it runs in chunks (the last chunk scores
-  every token), and only its kept tokens for a whole prefill (compressed as it is written);
+  every token), and only its kept tokens for a whole prefill (compressed as it is written); a
+  sliding-window group holds its window and a step's chunk, a ring its chunks go round
+  (`chunked_prefill_tokens`);
 - after the prefill's last token it keeps LayerGroup.kept_tokens of them (min(n, budget), or a
   ratio-th of n for calibrated budgets; all n in a whole group), then one more for every token
   fed after it (generated or forced);
@@ -96,6 +98,7 @@ class DecodeRing(NamedTuple):
 class GroupRetention:
     group: LayerGroup  # its name, layers and budget (None: whole)
     block_size: int  # tokens per block
+    step_tokens: int = 0  # the most prompt tokens a step feeds (max_num_batched_tokens)
 
     def compresses(self, num_prefill_tokens: int) -> bool:
         """Whether the group writes a prefill of this length's kept tokens apart from the
@@ -106,9 +109,20 @@ class GroupRetention:
         return self.tokens_after_prefill(num_prefill_tokens) < num_prefill_tokens
 
     def tokens_at_admission(self, num_prefill_tokens: int, chunked: bool = False) -> int:
-        """Tokens held from a prefill's admission to its last token: all of them when it runs
-        in chunks, the kept ones when it runs whole."""
-        return num_prefill_tokens if chunked else self.tokens_after_prefill(num_prefill_tokens)
+        """Tokens held from a prefill's admission to its last token: those of its chunks when
+        it runs in chunks, the kept ones when it runs whole."""
+        n = num_prefill_tokens
+        return self.chunked_prefill_tokens(n) if chunked else self.tokens_after_prefill(n)
+
+    def chunked_prefill_tokens(self, num_prefill_tokens: int) -> int:
+        """Tokens held while a prefill runs in chunks without caching: all of them (the last
+        chunk scores every token), but in a sliding group the window before a chunk and the
+        chunk, a ring the chunks go round (position p at held index p mod its size): the
+        window's older tokens are overwritten as it slides."""
+        window = self.group.sliding_window
+        if window is None:
+            return num_prefill_tokens
+        return min(num_prefill_tokens, window - 1 + self.step_tokens)
 
     def tokens_after_prefill(self, num_prefill_tokens: int, num_later_tokens: int = 0) -> int:
         """Tokens held once a prefill of `num_prefill_tokens` is compressed and
@@ -135,13 +149,13 @@ class GroupRetention:
         longest_prefill_tokens: int | None = None,
     ) -> int:
         """Most tokens a sequence ever holds: after its prefill and `num_later_tokens` more, or
-        while a chunked prefill of `chunked_prefill_tokens` (0: none) holds all of them. A
-        preempted sequence prefills again, up to `longest_prefill_tokens`: more kept tokens
-        then mean as many fewer fed after, but decode eviction's bound grows with a ratio
-        budget, so the bound is the longest prefill's."""
+        while a chunked prefill of `chunked_prefill_tokens` (0: none) runs. A preempted
+        sequence prefills again, up to `longest_prefill_tokens`: more kept tokens then mean as
+        many fewer fed after, but decode eviction's bound grows with a ratio budget, so the
+        bound is the longest prefill's."""
         n = num_prefill_tokens
         after = self._held(n, num_later_tokens, max(n, longest_prefill_tokens or n))
-        return max(after, chunked_prefill_tokens)
+        return max(after, self.chunked_prefill_tokens(chunked_prefill_tokens))
 
     def _held(self, num_prefill_tokens: int, num_later_tokens: int, bound_length: int) -> int:
         """The prefill's kept tokens and those fed after it, at most decode eviction's bound
@@ -216,5 +230,7 @@ class KVRetention:
         kv_dtype = FP8_DTYPE if config.fp8_kv_cache else dtype
         kv_heads = model.num_key_value_heads // config.tensor_parallel_size
         per_layer = 2 * kv_heads * model.head_dim * kv_dtype.itemsize
-        groups = tuple(GroupRetention(g, config.block_size) for g in plan.groups)
+        step = config.max_num_batched_tokens
+        assert step is not None, "EngineConfig fills max_num_batched_tokens"
+        groups = tuple(GroupRetention(g, config.block_size, step) for g in plan.groups)
         return cls(layer_plan, plan, groups, kv_dtype, per_layer, size)

@@ -86,7 +86,11 @@ class BatchBuilder:
         kept tokens ever reach that group's pool. A chunked prefill stores every token, and its
         last chunk's compression job writes the kept tokens over the front of its blocks. A
         prefill that caches stores every token too, its cached ones already there, and its
-        compression jobs write the kept tokens to blocks of their own (BlockManager).
+        compression jobs write the kept tokens to blocks of their own (BlockManager). A
+        sliding-window group that holds fewer tokens than a chunked prefill feeds stores them
+        in a ring (`GroupRetention.chunked_prefill_tokens`): token p at held index p mod its
+        size, the earlier chunks read back from the same place (where the window has moved
+        on, another token's keys, which the window masks).
         """
         input_ids: list[int] = []
         positions: list[int] = []
@@ -112,11 +116,17 @@ class BatchBuilder:
             cu_seqlens_k.append(k_start + end)
             cached_rows.append(torch.arange(k_start, k_start + first))
             new_rows.append(torch.arange(k_start + first, k_start + end))
+            whole = first == 0 and end == n
             for g, group in enumerate(self.retention.groups):
-                if seq.kv_lens[g] == n:  # the group's blocks hold every prefill token
+                held = seq.kv_lens[g]
+                if held == n:  # the group's blocks hold every prefill token
                     slots = self._slots(seq.block_tables[g], end)
                     slot_mappings[g].append(slots[first:])
                     cached_slots[g].append(slots[:first])
+                elif not whole:  # a sliding group's ring
+                    slots = self._slots(seq.block_tables[g], held)
+                    slot_mappings[g].append(slots[torch.arange(first, end) % held])
+                    cached_slots[g].append(slots[torch.arange(first) % held])
                 else:
                     slot_mappings[g].append(torch.full((end - first,), -1))
                     cached_slots[g].append(torch.full((first,), -1))
