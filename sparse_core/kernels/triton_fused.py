@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from sparse_core.kernels import reference
 from sparse_core.kernels.launcher import launch
+from sparse_core.kernels.reference import check_activation
 from sparse_core.kernels.triton_kernels import early_launch
 
 if triton.knobs.runtime.interpret:
@@ -91,7 +91,7 @@ def _act_and_mul_kernel(
 
 def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> act(gate) * up, [T, I] (`reference.act_and_mul`)."""
-    reference.check_activation(activation)
+    check_activation(activation)
     rows, width = x.shape
     half = width // 2
     out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
