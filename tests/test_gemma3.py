@@ -267,3 +267,24 @@ def test_an_fp8_dynamic_checkpoint_loads_as_stored(checkpoint, tmp_path):
             choices[name] = [out.token_ids[0] for out in llm.generate(prefixes, one)]
     agree = sum(a == b for a, b in zip(choices["stored"], choices["at-load"], strict=True))
     assert agree >= 0.75 * len(prefixes), f"{agree} of {len(prefixes)}"
+
+
+def test_a_norm_weight_keeps_its_offset_from_one_in_a_bf16_model():
+    """Gemma computes 1 + weight in float32: an offset under 2^-8 would round away in bf16."""
+    config = DUMMY_PRESETS["gemma3-tiny"]
+    plan = plan_layers(
+        SparsityConfig(policy="dense"), config.num_hidden_layers, "m", config.sliding
+    )
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = LlamaForCausalLM(config, plan, REFERENCE_OPS, 64)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    weights = dict(dummy_weights(config, seed=0, device=torch.device("cpu")))
+    weights["model.norm.weight"] = torch.full((config.hidden_size,), 0.001, dtype=torch.bfloat16)
+    model.load_weights(weights)
+    assert model.model.norm.weight.dtype == torch.float32
+    assert torch.allclose(model.model.norm.weight, torch.tensor(1.001), atol=1e-6)
+    x = torch.randn(3, config.hidden_size, dtype=torch.bfloat16)
+    out, _ = model.model.norm(x)
+    assert out.dtype == torch.bfloat16

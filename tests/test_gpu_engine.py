@@ -31,6 +31,7 @@ def generate(
     async_scheduling: bool | None = None,
     model: str = "dummy:smollm2-135m",
     sparsity: SparsityConfig = SPARSITY,
+    enable_prefix_caching: bool = True,
 ) -> list[list[int]]:
     if reference:
         monkeypatch.setattr(model_runner, "get_ops", lambda device: REFERENCE_OPS)
@@ -47,6 +48,7 @@ def generate(
         enable_chunked_prefill=chunked,
         max_num_batched_tokens=256 if chunked else None,
         async_scheduling=async_scheduling,  # None: on, as on any GPU
+        enable_prefix_caching=enable_prefix_caching,
     )
     vocab = llm.engine.model_config.vocab_size
     prompts = [[(i * 131 + j * 7) % vocab for j in range(300 + 97 * i)] for i in range(5)]
@@ -77,13 +79,15 @@ def test_triton_path_matches_reference_path(monkeypatch):
 GEMMA3 = SparsityConfig(policy="snapkv", budget=64, window=16, full_layers=1)
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_gemma3_with_triton_and_cuda_graphs_matches_the_reference_path(monkeypatch, chunked):
+@pytest.mark.parametrize("case", ["whole", "chunked", "chunked-ring"])
+def test_gemma3_with_triton_and_cuda_graphs_matches_the_reference_path(monkeypatch, case):
     """Gemma 3's layout (its local layers' window of 32 sliding in prefill, chunks and the
-    decode ring) through the Triton kernels and CUDA graphs, against plain torch, eager."""
-    run = dict(model="dummy:gemma3-tiny", sparsity=GEMMA3, chunked=chunked)
-    triton_tokens = generate(monkeypatch, reference=False, enforce_eager=False, **run)
-    reference_tokens = generate(monkeypatch, reference=True, enforce_eager=True, **run)
+    decode ring) through the Triton kernels and CUDA graphs, against plain torch, eager;
+    chunked without the prefix cache, the local layers' chunks go round a ring."""
+    args = dict(model="dummy:gemma3-tiny", sparsity=GEMMA3, chunked=case != "whole",
+                enable_prefix_caching=case != "chunked-ring")  # fmt: skip
+    triton_tokens = generate(monkeypatch, reference=False, enforce_eager=False, **args)
+    reference_tokens = generate(monkeypatch, reference=True, enforce_eager=True, **args)
     assert triton_tokens == reference_tokens
 
 

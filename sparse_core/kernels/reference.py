@@ -373,13 +373,14 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual); without a residual, the second is x.
 
-    Rounds like Hugging Face's LlamaRMSNorm: normalise in float32, back to x's dtype, then scale.
+    Rounds like Hugging Face's LlamaRMSNorm: normalise in float32, back to x's dtype, then scale
+    (in the weight's dtype where it is wider, Gemma's float32, and back to x's).
     """
     if residual is not None:
         x = x + residual
     xf = x.float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return weight * normed, x
+    return (weight * normed).to(x.dtype), x
 
 
 # The MLP gate activations: Llama's, and Gemma's GELU (its tanh approximation).

@@ -35,12 +35,17 @@ from sparse_core.policy import LayerPlan
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm that also adds the residual stream first when given one (one fused kernel)."""
+    """RMSNorm that also adds the residual stream first when given one (one fused kernel).
 
-    def __init__(self, size: int, eps: float, ops: KernelOps) -> None:
+    Gemma stores a norm's weight as an offset from one (`ModelConfig.norm_weight_offset`): its
+    1 + weight is kept in float32, as Gemma computes it, since in bf16 an offset under 2^-8
+    would round away."""
+
+    def __init__(self, size: int, config: ModelConfig, ops: KernelOps) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        dtype = torch.float32 if config.norm_weight_offset else None
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = config.rms_norm_eps
         self.ops = ops
 
     def forward(
@@ -68,12 +73,8 @@ class LlamaAttention(nn.Module):
         self.attn = attn
         # Qwen3's and Gemma 3's per-head norms (one weight vector of head_dim, replicated on
         # every rank).
-        self.q_norm = (
-            RMSNorm(config.head_dim, config.rms_norm_eps, attn.ops) if config.qk_norm else None
-        )
-        self.k_norm = (
-            RMSNorm(config.head_dim, config.rms_norm_eps, attn.ops) if config.qk_norm else None
-        )
+        self.q_norm = RMSNorm(config.head_dim, config, attn.ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config, attn.ops) if config.qk_norm else None
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], before RoPE (`attend` applies it)."""
@@ -127,16 +128,16 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(config, attn)
         self.mlp = LlamaMLP(config, ops)
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps, ops)
-        self.post_attention_layernorm = RMSNorm(hidden, eps, ops)
+        hidden = config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, config, ops)
+        self.post_attention_layernorm = RMSNorm(hidden, config, ops)
         # Gemma's sandwich: post_attention_layernorm normalises the attention output before the
         # residual add, pre_feedforward_layernorm the MLP input, post_feedforward_layernorm its
         # output. Llama's post_attention_layernorm is Gemma's pre_feedforward_layernorm.
         self.sandwich = config.sandwich_norms
         if self.sandwich:
-            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, ops)
-            self.post_feedforward_layernorm = RMSNorm(hidden, eps, ops)
+            self.pre_feedforward_layernorm = RMSNorm(hidden, config, ops)
+            self.post_feedforward_layernorm = RMSNorm(hidden, config, ops)
 
     # A layer runs in three parts, so that CUDA graphs can capture everything between two
     # attentions (LlamaForCausalLM.piece): attention_input, self_attn.attend, after_attention.
@@ -177,7 +178,7 @@ class LlamaModel(nn.Module):
         self.embedding_scale = float(torch.tensor(config.embedding_scale, dtype=dtype))
         self.rotary = rotary  # shared with the attention layers, which apply it
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, a, ops) for a in attns)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = RMSNorm(config.hidden_size, config, ops)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -275,6 +275,8 @@ def _text_config(hf: dict) -> dict:
         return hf
     text = {**hf["text_config"], "model_type": MULTIMODAL_TEXT_MODELS[model_type]}
     text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    if "eos_token_id" in hf:  # the whole model's stop tokens (Gemma 3: end of turn too)
+        text["eos_token_id"] = hf["eos_token_id"]
     return text
 
 
