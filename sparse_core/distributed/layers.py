@@ -90,8 +90,8 @@ class QuantizableLinear(nn.Linear):
         return part_fp8
 
     def expect_fp8(self) -> None:
-        """Room for a pre-quantized checkpoint's FP8 weight and scales (the representation
-        `quantize_fp8` produces), which `load_full` then fills like any other tensor."""
+        """Room for FP8 weights and their scales (one per output row: `quantize_rows`), which
+        `load_full` fills from a pre-quantized checkpoint as stored, or quantizes into."""
         if self.weight.dtype == FP8_DTYPE:
             return
         self.weight = nn.Parameter(
