@@ -53,6 +53,12 @@ class LayerGroup:
     def whole(self) -> bool:
         return self.budget is None and self.ratio is None and self.sliding_window is None
 
+    @property
+    def bounded(self) -> bool:
+        """Whether the group stops growing during decode (`max_tokens`): decode eviction, or a
+        sliding window."""
+        return self.decode_window is not None or self.sliding_window is not None
+
     def budget_tokens(self, num_prompt_tokens: int) -> int | None:
         """The budget for a prompt of this length, in tokens per KV head (None: whole)."""
         if self.ratio is not None:
@@ -63,9 +69,7 @@ class LayerGroup:
         """The most tokens per KV head the group ever holds of a sequence with a prompt of this
         length: its budget with decode eviction, its window if it slides, else None (it grows
         with every token fed)."""
-        if self.decode_window is None and self.sliding_window is None:
-            return None
-        return self.budget_tokens(num_prompt_tokens)
+        return self.budget_tokens(num_prompt_tokens) if self.bounded else None
 
     def kept_tokens(self, num_prompt_tokens: int) -> int:
         """Tokens per KV head this group holds right after prefilling a prompt."""

@@ -62,7 +62,7 @@ class BlockManager:
         self.groups = retention.groups
         self.block_size = retention.block_size
         # Whether any group has a decode ring (decode eviction, sliding-window layers).
-        self.rings = any(g.group.max_tokens(1) is not None for g in self.groups)
+        self.rings = any(g.group.bounded for g in self.groups)
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.min_uncached_tokens = min_uncached_tokens

@@ -1,6 +1,6 @@
 """Fused element-wise Triton kernels of the decoder layer: RMSNorm (with the residual add) and
-the MLP's activation-and-multiply, SiLU or GELU (rotary embedding, fused with the KV store, is with the attention kernels in
-`triton_kernels.py`).
+the MLP's activation-and-multiply, SiLU or GELU (rotary embedding, fused with the KV store, is
+with the attention kernels in `triton_kernels.py`).
 
 A decode step is a few hundred tiny kernels; on a GPU each costs a few microseconds however
 little it does, so folding ~8 element-wise launches into one per operation is what brings a

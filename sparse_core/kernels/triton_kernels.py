@@ -124,9 +124,9 @@ def _prefill_key_tiles(
 ):
     """Attend the query tile (at key positions `rows`) to keys [lo, hi); mask (causal and
     key < hi, and with SLIDING keys older than the row's last `window`) only where asked: a
-    sliding mask needs the causal one. k_src / v_src: tensor descriptors of the [T, Hkv * D] keys and
-    values (TMA), whose tile at row k_row0 + key, column `col` is wanted; else pointers to the
-    prompt's first key of this head."""
+    sliding mask needs the causal one. k_src / v_src: tensor descriptors of the [T, Hkv * D]
+    keys and values (TMA), whose tile at row k_row0 + key, column `col` is wanted; else
+    pointers to the prompt's first key of this head."""
     dims = tl.arange(0, HEAD_DIM)
     for key_start in range(lo, hi, BLOCK_N):
         keys = key_start + tl.arange(0, BLOCK_N)

@@ -138,6 +138,20 @@ class ModelConfig:
         return dataclasses.replace(self, **overrides)
 
 
+# What makes a Llama-architecture model Gemma 3's, beside its shape and layer types.
+GEMMA3_LAYOUT: dict[str, Any] = {
+    "qk_norm": True,
+    "sandwich_norms": True,
+    "norm_weight_offset": 1.0,
+    "scaled_embeddings": True,
+}
+
+
+def gemma3_layer_types(num_layers: int, pattern: int) -> tuple[str, ...]:
+    """Every `pattern`-th layer global, the others sliding-window (Gemma 3: 6)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers))
+
+
 def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
     """Gemma 3's text config: RoPE per layer type (transformers >= 5 nests it under
     `rope_parameters` by layer type; earlier configs give `rope_theta`, `rope_scaling` and
@@ -156,9 +170,7 @@ def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
     layer_types = hf.get("layer_types")
     if layer_types is None:
         pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
-        layer_types = [
-            "full_attention" if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)
-        ]
+        layer_types = gemma3_layer_types(num_layers, pattern)
     by_type = hf.get("rope_parameters") or {}
     full_rope = dict(by_type.get("full_attention") or hf.get("rope_scaling") or {})
     theta = full_rope.pop("rope_theta", hf.get("rope_theta", 1_000_000.0))
@@ -181,7 +193,6 @@ def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 131072),
         tie_word_embeddings=hf.get("tie_word_embeddings", True),
         attention_bias=hf.get("attention_bias", False),
-        qk_norm=True,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         name=name,
@@ -190,9 +201,7 @@ def _gemma3_from_hf_dict(hf: dict[str, Any], name: str) -> ModelConfig:
         rope_local_theta=float(local_theta),
         query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
         hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"),
-        sandwich_norms=True,
-        norm_weight_offset=1.0,
-        scaled_embeddings=True,
+        **GEMMA3_LAYOUT,
     )
 
 
@@ -246,16 +255,13 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         rope_scaling={"rope_type": "linear", "factor": 8.0},
         max_position_embeddings=131072,
         tie_word_embeddings=True,
-        qk_norm=True,
         name="dummy:gemma3-12b",
-        layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else SLIDING for i in range(48)),
+        layer_types=gemma3_layer_types(48, 6),
         sliding_window=1024,
         rope_local_theta=10000.0,
         query_pre_attn_scalar=256,
         hidden_act="gelu_pytorch_tanh",
-        sandwich_norms=True,
-        norm_weight_offset=1.0,
-        scaled_embeddings=True,
+        **GEMMA3_LAYOUT,
     ),
     "smollm2-135m": ModelConfig(
         hidden_size=576,
@@ -284,16 +290,13 @@ DUMMY_PRESETS: dict[str, ModelConfig] = {
         rope_theta=1000000.0,
         max_position_embeddings=16384,
         tie_word_embeddings=True,
-        qk_norm=True,
         name="dummy:gemma3-tiny",
-        layer_types=tuple("full_attention" if (i + 1) % 3 == 0 else SLIDING for i in range(6)),
+        layer_types=gemma3_layer_types(6, 3),
         sliding_window=32,
         rope_local_theta=10000.0,
         query_pre_attn_scalar=16,
         hidden_act="gelu_pytorch_tanh",
-        sandwich_norms=True,
-        norm_weight_offset=1.0,
-        scaled_embeddings=True,
+        **GEMMA3_LAYOUT,
     ),
     "tiny": ModelConfig(
         hidden_size=64,
