@@ -88,12 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         "--input-len: the earlier chunks are --input-len tokens too)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (one more profiled)")
-    parser.add_argument("--peak-tflops", type=float, default=790.0)
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=790.0,
+        help="the matmuls' reachable peak (an H200's bf16 measured; FP8 about twice)",
+    )
     parser.add_argument(
         "--bandwidth-tbs", type=float, default=4.26, help="copy bandwidth (an H200's measured)"
     )
     parser.add_argument("--top", type=int, default=20)
-    add_config_args(parser, only=("enforce_eager", "max_prefill_graph_tokens"))
+    add_config_args(
+        parser,
+        only=("enforce_eager", "max_prefill_graph_tokens", "quantization", "kv_cache_dtype"),
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA")
@@ -116,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             enforce_eager=args.enforce_eager,
             max_prefill_graph_tokens=args.max_prefill_graph_tokens,
             async_scheduling=False,  # one step at a time: nothing launched ahead of it
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
         ),
         sparsity_for(args.policy),
     )
