@@ -56,7 +56,7 @@ def decode(bm: BlockManager, seq: Sequence, steps: int) -> None:
 
 def prefill(bm: BlockManager, seq: Sequence) -> None:
     """A whole prefill, admitted and run."""
-    seq.start_prefill(bm.allocate(seq))
+    seq.start_prefill(bm.allocate(bm.admission(seq)))
     seq.num_computed_tokens = seq.prefill_len
     bm.end_prefill(seq)
 
@@ -64,8 +64,8 @@ def prefill(bm: BlockManager, seq: Sequence) -> None:
 def test_a_whole_prefill_takes_only_the_kept_blocks_in_a_sparse_group():
     bm = manager()
     seq = sequence("a", 100)
-    assert bm.can_allocate(seq)
-    seq.start_prefill(bm.allocate(seq))
+    assert bm.admission(seq).fits
+    seq.start_prefill(bm.allocate(bm.admission(seq)))
     assert seq.kv_lens == [100, 40] and used(bm) == [7, 3]
     assert seq.prompt_kv_lens == [100, 40]
     bm.end_prefill(seq)  # nothing to give back: it held no more
@@ -76,7 +76,7 @@ def test_a_whole_prefill_takes_only_the_kept_blocks_in_a_sparse_group():
 def test_a_chunked_prefill_holds_every_token_until_it_ends_then_shrinks_to_the_budget():
     bm = manager()
     seq = sequence("a", 100)
-    seq.start_prefill(bm.allocate(seq, chunked=True))
+    seq.start_prefill(bm.allocate(bm.admission(seq, chunked=True)))
     assert seq.kv_lens == [100, 100] and used(bm) == [7, 7]
     bm.end_prefill(seq)
     assert seq.kv_lens == [100, 40] and used(bm) == [7, 3]
@@ -137,7 +137,7 @@ def test_freeing_every_sequence_gives_the_pool_back_whole():
     bm = manager()
     seqs = [sequence(name, n) for name, n in (("a", 100), ("b", 30), ("c", 250))]
     for i, seq in enumerate(seqs):
-        seq.start_prefill(bm.allocate(seq, chunked=i == 0))
+        seq.start_prefill(bm.allocate(bm.admission(seq, chunked=i == 0)))
         bm.end_prefill(seq)
         decode(bm, seq, 20)
     assert used(bm) == [8 + 4 + 17, 4 + 4 + 4]  # every sparse block in use
@@ -153,23 +153,23 @@ def test_freeing_every_sequence_gives_the_pool_back_whole():
 def test_admission_is_refused_when_the_pool_lacks_the_blocks_of_every_group():
     bm = manager()
     first = sequence("a", 300)  # 19 blocks in the whole group, 3 in the sparse one
-    first.start_prefill(bm.allocate(first))
-    assert bm.can_allocate(sequence("b", 300))  # 22 + 22 <= 46
-    assert not bm.can_allocate(sequence("b", 400))  # 22 + 25 + 3 > 46
+    first.start_prefill(bm.allocate(bm.admission(first)))
+    assert bm.admission(sequence("b", 300)).fits  # 22 + 22 <= 46
+    assert not bm.admission(sequence("b", 400)).fits  # 22 + 25 + 3 > 46
     # Chunked, the sparse group holds the whole prefill: 22 + 19 + 19 > 46.
-    assert not bm.can_allocate(sequence("b", 300), chunked=True)
+    assert not bm.admission(sequence("b", 300), chunked=True).fits
 
 
 def test_forced_prompt_tokens_after_a_compressed_prefix_count_as_kept():
     bm = manager()
     seq = sequence("a", 120, compress_prefix_len=100)
-    seq.start_prefill(bm.allocate(seq))
+    seq.start_prefill(bm.allocate(bm.admission(seq)))
     assert seq.kv_lens == [100, 40]
     assert seq.prompt_kv_lens == [120, 60]  # the 20 forced prompt tokens are kept whole
 
 
 def prefilled(bm: BlockManager, seq: Sequence) -> Sequence:
-    seq.start_prefill(bm.allocate(seq))
+    seq.start_prefill(bm.allocate(bm.admission(seq)))
     seq.num_computed_tokens = seq.prefill_len  # the prefill ran
     bm.end_prefill(seq)
     return seq
@@ -178,7 +178,7 @@ def prefilled(bm: BlockManager, seq: Sequence) -> Sequence:
 def test_a_prefill_that_caches_keeps_its_full_blocks_and_a_hit_starts_after_them():
     bm = manager(caching=True)
     first = sequence("a", 100)
-    first.start_prefill(bm.allocate(first))
+    first.start_prefill(bm.allocate(bm.admission(first)))
     # Every prefill token in both groups (7 blocks), and the sparse group's kept 40 in 3 more.
     assert first.caches_prefill and first.kv_lens == [100, 100] and used(bm) == [7, 10]
     first.num_computed_tokens = 100
@@ -188,8 +188,8 @@ def test_a_prefill_that_caches_keeps_its_full_blocks_and_a_hit_starts_after_them
     # 90 tokens: its 5 full blocks before the 8-token window are cached; it takes 1 more block
     # and 3 for its kept tokens in the sparse group.
     second = sequence("b", 90)
-    assert bm.num_cached_tokens(second) == 80
-    second.start_prefill(bm.allocate(second))
+    assert bm.admission(second).num_cached_tokens == 80
+    second.start_prefill(bm.allocate(bm.admission(second)))
     assert second.num_computed_tokens == 80 and second.num_cached_tokens == 80
     assert second.block_tables[0][:5] == first.block_tables[0][:5]  # shared in the whole group
     assert bm.pool.refs(first.block_tables[0][0]) == 2
@@ -221,7 +221,7 @@ def test_cached_blocks_count_as_free_and_leave_unproven_first_least_recently_use
     # prefill ended), each prefix's tail before its head.
     c, d = (Sequence(n, ids(900 + 200 * i, 100), SamplingParams(), 2) for i, n in enumerate("cd"))
     for seq in (c, d):
-        seq.start_prefill(bm.allocate(seq))
+        seq.start_prefill(bm.allocate(bm.admission(seq)))
         assert not seq.caches_prefill
     assert sum(cached(bm)) == 10
     lookups = {"b": ids(500, 64), "a": ids(1, 64), "b2": ids(500, 80)}
@@ -281,8 +281,8 @@ def test_a_prefix_no_longer_asked_for_expires_and_new_conversations_take_its_roo
 def test_a_prefill_without_room_to_cache_runs_as_without_the_cache():
     bm = manager(caching=True, blocks=20)
     big = sequence("a", 150)  # caching needs 10 + 10 + 3 blocks of 20: no room
-    assert bm.can_allocate(big)
-    big.start_prefill(bm.allocate(big))
+    assert bm.admission(big).fits
+    big.start_prefill(bm.allocate(bm.admission(big)))
     assert not big.caches_prefill and big.kv_lens == [150, 40] and used(bm) == [10, 3]
     big.num_computed_tokens = 150
     bm.end_prefill(big)
@@ -295,6 +295,6 @@ def test_clearing_the_cache_frees_every_cached_block():
     bm.free(prefilled(bm, sequence("a", 100)))
     bm.clear_prefix_cache()
     assert cached(bm) == [0, 0]
-    assert bm.num_cached_tokens(sequence("b", 100)) == 0
+    assert bm.admission(sequence("b", 100)).num_cached_tokens == 0
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
     bm.pool.check()

@@ -166,7 +166,7 @@ def test_a_chunked_prefill_holds_the_window_and_a_chunk_in_the_local_layers(chec
              enable_prefix_caching=False) as llm:  # fmt: skip
         manager = llm.engine.block_manager
         seq = llm.engine.make_sequence("r", prompts()[0], SamplingParams(max_tokens=4))
-        manager.allocate(seq, chunked=True)
+        manager.allocate(manager.admission(seq, chunked=True))
         held = {r.group.name: held for r, held in zip(manager.groups, seq.kv_lens, strict=True)}
         manager.free(seq)
     assert held == {"full": 45, "budget64": 45, f"sliding{WINDOW}": WINDOW - 1 + 8}

@@ -48,8 +48,8 @@ def serve(bm: BlockManager, prompts: list[list[int]], output_len: int) -> int:
     running = []
     for i, prompt in enumerate(prompts):
         seq = Sequence(str(i), prompt, SamplingParams(), len(bm.groups))
-        assert bm.can_allocate(seq)
-        seq.start_prefill(bm.allocate(seq))
+        assert bm.admission(seq).fits
+        seq.start_prefill(bm.allocate(bm.admission(seq)))
         seq.num_computed_tokens = seq.prefill_len
         bm.end_prefill(seq)
         running.append(seq)

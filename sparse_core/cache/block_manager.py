@@ -12,11 +12,19 @@ from sparse_core.cache.retention import KVRetention, cdiv
 from sparse_core.sequence import Sequence
 
 
-@dataclass
-class _Admission:
+@dataclass(frozen=True)
+class Admission:
+    """How a waiting sequence would be admitted now (`BlockManager.admission`): what the
+    scheduler reads to choose its first chunk, then hands to `BlockManager.allocate`. It holds
+    while the pool does not change, i.e. within one scheduling decision."""
+
+    seq: Sequence
+    chunked: bool  # its prefill runs in chunks
     cached: list[list[int]]  # per group: the cached blocks the prefill starts from
+    num_cached_tokens: int  # the prefill tokens those hold, where the prefill starts
     new_blocks: int  # blocks it allocates, in every group together
     caches: bool  # whether the prefill caches (see BlockManager)
+    fits: bool  # whether the pool has room for it now
 
 
 def _tail_first(tables: list[list[int]]) -> list[int]:
@@ -73,10 +81,6 @@ class BlockManager:
         # cache queries and hits).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # The scheduler asks about a waiting sequence several times in a row (the tokens it
-        # would find cached, whether it fits, its admission): the last answer, which holds
-        # until the pool changes (every method that changes it clears this).
-        self._last_admission: tuple[Sequence, bool, _Admission] | None = None
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -108,54 +112,40 @@ class BlockManager:
             return sum(g.blocks(g.tokens_at_admission(n, chunked)) for g in self.groups)
         return sum(g.caching_admission_blocks(n, num_cached) for g in self.groups)
 
-    def _admission(self, seq: Sequence, chunked: bool) -> _Admission:
+    def admission(self, seq: Sequence, chunked: bool = False) -> Admission:
         """How `seq` would be admitted now: caching when caching is on and every group has room
-        for it, else as without the cache."""
-        last = self._last_admission
-        if last is not None and last[0] is seq and last[1] == chunked:
-            return last[2]
-        admission = self._new_admission(seq, chunked)
-        self._last_admission = (seq, chunked, admission)
-        return admission
-
-    def _new_admission(self, seq: Sequence, chunked: bool) -> _Admission:
+        for it, else as without the cache (`Admission.fits` says whether even that fits)."""
         if self.enable_prefix_caching:
             cached = self.cached_blocks(seq)
-            new = self._new_blocks(seq, chunked, len(cached[0]) * self.block_size)
-            caching = _Admission(cached, new, caches=True)
-            if self._fits(caching):
-                return caching
+            num_cached = len(cached[0]) * self.block_size
+            new = self._new_blocks(seq, chunked, num_cached)
+            if self._fits(cached, new, caches=True):
+                return Admission(seq, chunked, cached, num_cached, new, True, True)
         none: list[list[int]] = [[] for _ in self.groups]
-        return _Admission(none, self._new_blocks(seq, chunked, None), caches=False)
+        new = self._new_blocks(seq, chunked, None)
+        return Admission(seq, chunked, none, 0, new, False, self._fits(none, new, caches=False))
 
-    def _fits(self, admission: _Admission) -> bool:
-        """Room for the new blocks, beside the cached ones it takes out of the cache (they no
-        longer count as free). A prefill that would cache without having found anything caches
-        only into blocks that hold no live cached prefix (`BlockPool`): a new prefix does not
-        displace the cached ones still asked for."""
-        pool, new = self.pool, admission.new_blocks
-        if admission.caches and not admission.cached[0]:
+    def _fits(self, cached: list[list[int]], new: int, caches: bool) -> bool:
+        """Room for `new` blocks, beside the cached ones the admission takes out of the cache
+        (they no longer count as free). A prefill that would cache without having found
+        anything caches only into blocks that hold no live cached prefix (`BlockPool`): a new
+        prefix does not displace the cached ones still asked for."""
+        pool = self.pool
+        if caches and not cached[0]:
             return pool.has_room_for_new_prefix(new)
-        reused = sum(pool.refs(b) == 0 for cached in admission.cached for b in cached)
+        reused = sum(pool.refs(b) == 0 for blocks in cached for b in blocks)
         return new + reused <= pool.num_free
 
-    def num_cached_tokens(self, seq: Sequence, chunked: bool = False) -> int:
-        """Prefill tokens an admission of `seq` now would find in the cache."""
-        return len(self._admission(seq, chunked).cached[0]) * self.block_size
-
-    def can_allocate(self, seq: Sequence, chunked: bool = False) -> bool:
-        return self._fits(self._admission(seq, chunked))
-
-    def allocate(self, seq: Sequence, chunked: bool = False) -> int:
-        """Blocks in every group for the prefill of `seq`; returns the tokens found in the
-        cache, where its prefill starts (`Sequence.start_prefill`)."""
-        pool = self.pool
-        admission = self._admission(seq, chunked)
-        self._last_admission = None
+    def allocate(self, admission: Admission) -> int:
+        """Blocks in every group for the prefill of the admitted sequence (an `admission` made
+        since the pool last changed, that fits); returns the tokens found in the cache, where
+        its prefill starts (`Sequence.start_prefill`)."""
+        assert admission.fits, "allocating an admission that does not fit"
+        pool, seq, chunked = self.pool, admission.seq, admission.chunked
         pool.tick()
         seq.caches_prefill = admission.caches
         n = seq.num_prefill_tokens
-        num_cached = len(admission.cached[0]) * self.block_size
+        num_cached = admission.num_cached_tokens
         seq.table_row = self._free_rows.pop()
         # Every group's cached blocks taken before any allocates: none evicts another's.
         pool.take_cached([b for cached in admission.cached for b in cached])
@@ -187,7 +177,6 @@ class BlockManager:
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached block (none may be in use) and the hit counts."""
-        self._last_admission = None
         self.pool.clear_cache()
         self.prefix_cache_queries = self.prefix_cache_hits = 0
 
@@ -198,7 +187,6 @@ class BlockManager:
         chunked prefill that does not cache held every token, and its last chunk wrote each
         compressing group's kept tokens to the front of its blocks; a whole prefill holds no
         more already."""
-        self._last_admission = None
         n = seq.prefill_len
         hashes = self._block_hashes(seq, n // self.block_size) if seq.caches_prefill else []
         released: list[list[int]] = []
@@ -238,7 +226,6 @@ class BlockManager:
         """Room for the token being decoded in every group: one more token held, in a new
         block where the last one is full, unless decode eviction holds the group at its bound
         (the token then replaces the oldest in its ring). Its slot: `batch_slots`."""
-        self._last_admission = None
         bs, kv_lens = self.block_size, seq.kv_lens
         for g, (held, ring) in enumerate(zip(kv_lens, seq.decode_rings, strict=True)):
             if not ring.grows(held):
@@ -255,7 +242,6 @@ class BlockManager:
         # A cached prefix's tail is evicted before the head other prompts share.
         tables = zip(seq.block_tables, seq.kept_tables, strict=True)
         held = [blocks + (kept or []) for blocks, kept in tables]
-        self._last_admission = None
         self.pool.free(_tail_first(held))
         self._free_rows.append(seq.table_row)
         seq.reset_cache_state()

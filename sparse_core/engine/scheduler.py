@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from sparse_core.cache.block_manager import BlockManager
+from sparse_core.cache.block_manager import Admission, BlockManager
 from sparse_core.config import EngineConfig
 from sparse_core.sequence import Sequence, SequenceStatus
 
@@ -205,16 +205,18 @@ class Scheduler:
             return remaining if budget == self.max_num_batched_tokens else 0
         return max(0, min(budget, remaining - self.min_last_chunk))
 
-    def _admissible_chunk(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+    def _admissible_chunk(self, seq: Sequence, budget: int) -> tuple[int, Admission | None]:
         """Tokens of a waiting prompt's prefill that a step with `budget` left admits (those
-        after the ones found in the prefix cache), and whether more chunks follow; 0 when the
-        budget or a group's free blocks fall short."""
-        remaining = seq.num_prefill_tokens - self.block_manager.num_cached_tokens(seq)
+        after the ones found in the prefix cache), and the admission that allocates them; (0,
+        None) when the budget or the pool's free blocks fall short."""
+        admission = self.block_manager.admission(seq)
+        remaining = seq.num_prefill_tokens - admission.num_cached_tokens
         chunk = self._next_chunk(remaining, budget)
-        chunked = chunk < remaining
-        if chunk and self.block_manager.can_allocate(seq, chunked):
-            return chunk, chunked
-        return 0, False
+        if chunk < remaining:  # more chunks follow: admitted as a chunked prefill
+            admission = self.block_manager.admission(seq, chunked=True)
+        if chunk and admission.fits:
+            return chunk, admission
+        return 0, None
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []
@@ -222,11 +224,11 @@ class Scheduler:
             seq = self._next_to_admit()
             if seq is None:
                 break
-            chunk, chunked = self._admissible_chunk(seq, budget)
-            if chunk == 0:
+            chunk, admission = self._admissible_chunk(seq, budget)
+            if admission is None:
                 break
             self.waiting.remove(seq)
-            seq.start_prefill(self.block_manager.allocate(seq, chunked))
+            seq.start_prefill(self.block_manager.allocate(admission))
             seq.status = SequenceStatus.RUNNING
             seq.num_scheduled_tokens = chunk
             self.running.append(seq)
