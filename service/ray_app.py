@@ -130,12 +130,11 @@ class RayAppConfig:
 
     def sparsity_config(self) -> SparsityConfig:
         """The base sparsity of the pools: any SparsityConfig field, read as `engine` is; what
-        `sparsity` leaves unset as `kvsparse serve` has it (its policy: snapkv)."""
-        from sparse_core.cli import CLI_DEFAULTS
+        `sparsity` leaves unset takes SparsityConfig's default, as everywhere."""
         from sparse_core.config import SparsityConfig
         from sparse_core.engine_args import config_from_mapping
 
-        return config_from_mapping(SparsityConfig, {**CLI_DEFAULTS, **self.sparsity}, "sparsity")
+        return config_from_mapping(SparsityConfig, self.sparsity, "sparsity")
 
     def served_model_names(self) -> list[str]:
         name = self.served_model_name or self.model

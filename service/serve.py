@@ -17,7 +17,6 @@ from service.settings import (
     check_api_key,
     resolve_api_key,
 )
-from sparse_core import cli as engine_cli
 from sparse_core.config import FP8_IF_SUPPORTED
 from sparse_core.engine_args import BY_DEST, Default, add_config_args, configs_from_args
 
@@ -32,7 +31,6 @@ FP8_DEFAULT_SHOWN = (
 # The engine flags' defaults for a server, which service.settings.apply_serving_defaults fills
 # in where the flags leave them unset (as it does for a Serve config).
 SERVE_DEFAULTS = {
-    **engine_cli.CLI_DEFAULTS,
     "max_num_batched_tokens": Default(
         None, "expected_input_len, one typical prompt per step (a longer one runs alone)"
     ),

@@ -10,14 +10,6 @@ import time
 from sparse_core.engine_args import add_config_args, configs_from_args
 from sparse_core.eval.cli import add_eval_subcommands
 
-# The engine's commands: a compressing policy unless told otherwise.
-CLI_DEFAULTS = {"policy": "snapkv"}
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Every engine and sparsity flag (sparse_core/engine_args.py), with the commands' defaults."""
-    add_config_args(parser, CLI_DEFAULTS)
-
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from sparse_core.engine.llm_engine import LLMEngine
@@ -81,7 +73,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    add_engine_args(gen)
+    add_config_args(gen)  # every engine and sparsity flag
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)

@@ -75,7 +75,7 @@ class SparsityConfig:
                   the prompt keeps those and one scored token)
     """
 
-    policy: Policy = option("dense", "which tokens the sparse layers keep")
+    policy: Policy = option("snapkv", "which tokens the sparse layers keep")
     budget: int = option(512, "tokens kept per KV head in a sparse layer (pyramid: the mean)")
     window: int = option(32, "the last prompt tokens, which score the rest and are kept")
     sinks: int = option(4, "the first prompt tokens, always kept (attention sinks)")

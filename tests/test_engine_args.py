@@ -105,8 +105,11 @@ def test_every_server_entry_point_resolves_the_same_configuration(
 ) -> None:
     """`kvsparse serve`, a Serve config written by hand (the Helm chart's kind) and `kvsparse
     serve --ray` (which hands its resolved configs on as a Serve config) serve the same engine
-    and sparsity from the same settings: what they leave unset, a server's defaults fill."""
+    and sparsity from the same settings: what they leave unset, a server's defaults fill. The
+    Python API (`LLM(model, sparsity=SparsityConfig(...))`) resolves the same sparsity; its
+    engine takes EngineConfig's defaults where a server's differ (docs/serving.md)."""
     from_flags = serve(flags)
+    assert SparsityConfig(**sparsity) == from_flags[1]
     assert ray(dict(engine), dict(sparsity)) == from_flags
     resolved_engine, resolved_sparsity = (dataclasses.asdict(c) for c in from_flags)
     assert ray(resolved_engine, resolved_sparsity) == from_flags

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     results: dict[str, dict] = {}
     reference: list[int] = []
-    for name, sparsity in [("dense", SparsityConfig()), *settings.items()]:
+    for name, sparsity in [("dense", SparsityConfig(policy="dense")), *settings.items()]:
         with LLM(
             model_source=source,
             sparsity=sparsity,

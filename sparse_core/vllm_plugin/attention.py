@@ -101,7 +101,8 @@ class KVSparseAttentionImpl(AttentionImpl[KVSparseMetadata]):
         self.fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         self.kv_sharing_target_layer_name = None
         settings = current_settings()
-        self.sparsity = settings.sparsity if settings else SparsityConfig()
+        # Without kvsparse settings (none configured) the layer attends as stock vLLM does.
+        self.sparsity = settings.sparsity if settings else SparsityConfig(policy="dense")
         self.ops: KernelOps | None = None
         self.selection: SelectionPolicy | None = None
 
