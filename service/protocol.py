@@ -18,7 +18,6 @@ from sparse_core.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 # a 400 naming the field. Names are OpenAI's and vLLM's.
 REFUSED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,),
-    "logit_bias": (None, {}),
     "min_p": (None, 0, 0.0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
@@ -90,6 +89,8 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(default=0, ge=0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    # OpenAI's: {token id (a JSON object's keys are strings): bias in [-100, 100]}.
+    logit_bias: dict[str, float] | None = None
     # Each choice carries `token_ids` (the generated ids; in a stream, each chunk's new ones)
     # and `prompt_token_ids` (in a stream, in the choice's first chunk with tokens).
     return_token_ids: bool = False
@@ -139,7 +140,20 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logprobs=self.num_logprobs,
+            logit_bias=self.logit_bias_by_id,
         )
+
+    @property
+    def logit_bias_by_id(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys read as token ids (SamplingParams checks the rest)."""
+        if self.logit_bias is None:
+            return None
+        by_id = {}
+        for key, bias in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            by_id[int(key)] = bias
+        return by_id
 
     def choice_seed(self, index: int) -> int | None:
         """Choice `index`'s seed: `seed + index`, wrapped into the seed's range, so that the

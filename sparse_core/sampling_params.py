@@ -15,6 +15,10 @@ MAX_STOP_CHARS = 4096  # all of a request's stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 # The most top logprobs a request may ask for per token (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20
+# `logit_bias`: the most token ids a request may bias (applied to its logits every step), and
+# the range of a bias (OpenAI's).
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
 @dataclass
@@ -33,6 +37,10 @@ class SamplingParams:
     from each token that occurs in the output, `frequency_penalty` once per occurrence (both in
     [-2, 2], positive discourages). `min_tokens`: before that many tokens are generated, EOS and
     `stop_token_ids` cannot be sampled and stop strings do not end the request.
+
+    `logit_bias` (OpenAI's and vLLM's): {token id: bias in [-100, 100]}, added to those tokens'
+    logits before penalties and sampling (greedy included): -100 all but bans a token, 100 all
+    but forces it. Logprobs are of the logits before it.
 
     `logprobs` (vLLM's): return each generated token's log-probability and those of the
     `logprobs` most likely tokens at its position (0: the generated token's only; at most
@@ -55,6 +63,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
     # The model's EOS ids, set by the engine when it accepts the request (min_tokens bans them).
     eos_token_ids: list[int] = field(default_factory=list, repr=False)
 
@@ -100,6 +109,7 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self._check_stops()
+        self._check_logit_bias()
         n = self.compress_prefix_len
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise ValueError(f"compress_prefix_len must be a positive integer or None, got {n!r}")
@@ -124,17 +134,38 @@ class SamplingParams:
             if token < 0:
                 raise ValueError(f"stop_token_ids must be token ids (>= 0), got {token}")
 
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}")
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} token ids, "
+                             f"got {len(bias)}")  # fmt: skip
+        low, high = LOGIT_BIAS_RANGE
+        for token, value in bias.items():
+            _check_int("logit_bias token ids", token)
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            _check_finite("logit_bias values", value)
+            if not low <= value <= high:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+
     def verify(self, vocab_size: int) -> None:
-        """What depends on the model: `top_k` at most the vocabulary, `stop_token_ids` in it.
+        """What depends on the model: `top_k` at most the vocabulary, `stop_token_ids` and
+        `logit_bias`'s token ids in it.
         Engines call it when they accept a request, so that nothing the device code cannot take
         reaches a batched step (where it would fail every request of the step)."""
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 or "
                              f"-1 to disable it), got {self.top_k}")  # fmt: skip
-        outside = [t for t in self.stop_token_ids if t >= vocab_size]
-        if outside:
-            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), the model's "
-                             f"vocabulary; got {outside[0]}")  # fmt: skip
+        for name, ids in (("stop_token_ids", self.stop_token_ids),
+                          ("logit_bias token ids", self.logit_bias or {})):  # fmt: skip
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(f"{name} must be in [0, {vocab_size}), the model's "
+                                 f"vocabulary; got {outside[0]}")  # fmt: skip
 
     @property
     def greedy(self) -> bool:

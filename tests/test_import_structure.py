@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("sparse_core", "service")
 
@@ -126,11 +128,13 @@ def test_the_ray_ingress_speaks_the_engines_vocabulary_without_loading_torch():
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=120)
 
 
-def test_the_sampling_fields_are_named_where_they_are_defined_mapped_and_used():
+@pytest.mark.parametrize("field", ["presence_penalty", "logit_bias"])
+def test_the_sampling_fields_are_named_where_they_are_defined_mapped_and_used(field):
     """The OpenAI protocol (which maps onto SamplingParams), SamplingParams and the sampler:
-    nothing between them copies the fields one by one."""
+    nothing between them copies the fields one by one. `logit_bias`, the last field added,
+    took those three modules and nothing else."""
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
-    naming = sorted(module_name(p) for p in files if "presence_penalty" in p.read_text())
+    naming = sorted(module_name(p) for p in files if field in p.read_text())
     assert naming == [
         "service.protocol",
         "sparse_core.engine.sampler",

@@ -1,4 +1,5 @@
-"""Penalties and min_tokens in the batched sampler, against vLLM's formulas written out per row."""
+"""Logit bias, penalties and min_tokens in the batched sampler, against vLLM's formulas written
+out per row."""
 
 from __future__ import annotations
 
@@ -92,3 +93,43 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached(temperature):
 def test_out_of_range_values_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(max_tokens=16, **{field: value})
+
+
+def test_logit_bias_is_added_before_the_penalties_for_greedy_rows():
+    """Each row's argmax is that of its logits plus its bias, then penalized (vLLM's order: a
+    repetition penalty divides a biased positive logit); rows without a bias are untouched."""
+    generator = torch.Generator().manual_seed(1)
+    prompt, outputs = [1, 2], [3, 3]
+    for trial in range(20):
+        logits = torch.randn(3, VOCAB, generator=generator) * 3
+        tokens = torch.randperm(VOCAB, generator=generator)[:4].tolist()
+        values = (torch.randn(4, generator=generator) * 4).tolist()
+        bias = dict(zip(tokens, values, strict=True))
+        cases = [
+            SamplingParams(temperature=0, logit_bias=bias),
+            SamplingParams(temperature=0, logit_bias=bias, repetition_penalty=1.5,
+                           frequency_penalty=0.5),
+            SamplingParams(temperature=0),
+        ]  # fmt: skip
+        seqs = [_seq(p, prompt, outputs) for p in cases]
+        chosen = sample(logits, seqs, generator, [True] * 3).tolist()
+        biased = logits.clone()
+        for token, value in bias.items():
+            biased[:2, token] += value
+        expected = [int(_reference(biased[r], cases[r], prompt, outputs).argmax()) for r in (0, 1)]
+        assert chosen == [*expected, int(logits[2].argmax())], trial
+
+
+def test_a_logit_bias_of_100_forces_and_of_minus_100_bans_sampled_tokens():
+    generator = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, VOCAB, generator=generator)
+    favourite = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=1.0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=1.0, logit_bias={favourite: -100.0}),
+    ]
+    seqs = [_seq(p, [1], []) for p in params]
+    drawn = [sample(logits, seqs, generator, [True, True]).tolist() for _ in range(200)]
+    assert all(first == 7 for first, _ in drawn)
+    assert all(second != favourite for _, second in drawn)
+    assert len({second for _, second in drawn}) > 3  # still a draw, not a fixed choice

@@ -1,5 +1,5 @@
-"""Next-token choice for a batch, on the logits' device: penalties and `min_tokens` bans applied
-to the logits first, then greedy rows by argmax, the rest drawn from their temperature-scaled
+"""Next-token choice for a batch, on the logits' device: `logit_bias`, penalties and
+`min_tokens` bans applied to the logits first (in that order, as vLLM applies them), then greedy rows by argmax, the rest drawn from their temperature-scaled
 distribution after top-k and top-p, by inverse CDF.
 
 Every sampled row draws one uniform number on the host, from its sequence's own generator when
@@ -83,8 +83,8 @@ def _adjusted(
     wanted: list[bool],
     next_ids: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The logits with penalties applied and tokens banned by `min_tokens` at -inf (a copy,
-    only when some row has either; rows without are untouched)."""
+    """The logits with `logit_bias` added, penalties applied and tokens banned by `min_tokens`
+    at -inf (a copy, only when some row has any; rows without are untouched)."""
 
     def num_outputs(row: int) -> int:
         return len(seqs[row].output_token_ids) + seqs[row].input_in_flight
@@ -95,11 +95,21 @@ def _adjusted(
         if wanted[row] and num_outputs(row) < seq.params.min_tokens
         for token in seq.params.banned_until_min_tokens()
     ]
+    biased = [
+        (row, token, bias)
+        for row, seq in enumerate(seqs)
+        if wanted[row] and seq.params.logit_bias
+        for token, bias in seq.params.logit_bias.items()
+    ]
     rows = [r for r, seq in enumerate(seqs) if wanted[r] and seq.params.penalizes]
-    if not banned and not rows:
+    if not banned and not rows and not biased:
         return logits
     logits = logits.clone()
     device, vocab = logits.device, logits.shape[-1]
+    if biased:
+        at = to_device([[row, token] for row, token, _ in biased], torch.int64, device)
+        biases = to_device([bias for _, _, bias in biased], torch.float32, device)
+        logits[at[:, 0], at[:, 1]] += biases.to(logits.dtype)
     if rows:
         index = to_device(rows, torch.int64, device)
         outputs = _padded([seqs[r].output_token_ids for r in rows], vocab, device)

@@ -16,8 +16,7 @@ from tests.service.servers import MODEL
 
 DOCS = Path(__file__).parents[2] / "docs" / "serving.md"
 # A value that asks for something, per refused field.
-ASKING = {"prompt_logprobs": 1, "logit_bias": {"1": 5},
-          "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
+ASKING = {"prompt_logprobs": 1, "min_p": 0.1, "use_beam_search": True, "length_penalty": 0.5,
           "allowed_token_ids": [1, 2], "bad_words": ["no"], "include_stop_str_in_output": True,
           "skip_special_tokens": False, "spaces_between_special_tokens": False,
           "truncate_prompt_tokens": 5, "guided_json": {}, "guided_regex": "a+",
@@ -78,7 +77,11 @@ def test_the_docs_list_the_refused_fields_the_code_refuses():
      ({**CHAT, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
      # top_logprobs only with logprobs true, as OpenAI takes it.
      ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
-     ({**CHAT, "logprobs": False, "top_logprobs": 0}, "top_logprobs")],
+     ({**CHAT, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+     ({**COMPLETION, "logit_bias": {"1": 100.5}}, "logit_bias"),
+     ({**CHAT, "logit_bias": {"one": 1}}, "logit_bias"),
+     ({**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
+     ({**COMPLETION, "logit_bias": {"99999999": 1}}, "logit_bias")],  # past the vocabulary
 )  # fmt: skip
 def test_values_out_of_range_name_their_field(real_server, body, param):
     check_400(real_server, body, param, "invalid_value")
@@ -88,7 +91,9 @@ def test_values_out_of_range_name_their_field(real_server, body, param):
     ("body", "param"),
     [({**COMPLETION, "logprobs": True}, "logprobs"), ({**COMPLETION, "logprobs": "2"}, "logprobs"),
      ({**COMPLETION, "logprobs": 2.0}, "logprobs"), ({**CHAT, "logprobs": 1}, "logprobs"),
-     ({**CHAT, "logprobs": True, "top_logprobs": "2"}, "top_logprobs")],
+     ({**CHAT, "logprobs": True, "top_logprobs": "2"}, "top_logprobs"),
+     ({**COMPLETION, "logit_bias": {"1": "5"}}, "logit_bias"),
+     ({**CHAT, "logit_bias": [1, 2]}, "logit_bias")],
 )  # fmt: skip
 def test_logprobs_of_the_wrong_type_name_their_field(real_server, body, param):
     check_400(real_server, body, param, "invalid_type")
@@ -168,6 +173,38 @@ def test_penalties_change_greedy_output_as_in_the_engine(client, dense_llm, fiel
     expected = dense_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0, **fields))
     assert out.choices[0].text == expected[0].text
     assert out.choices[0].text != plain.choices[0].text
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_logit_bias_forces_and_bans_tokens_as_in_the_engine(client, dense_llm, api):
+    """OpenAI's logit_bias, keys as JSON gives them (strings): +100 on a token makes every
+    greedy token that one; -100 on the unbiased answer's first token makes the answer start
+    otherwise; both as the engine's own SamplingParams give them."""
+    prompt = "The capital of France is"
+    ids = dense_llm.tokenizer.encode(prompt)
+
+    def answer(bias: dict[int, float]) -> tuple[str, list[int]]:
+        body = {"max_tokens": 4, "temperature": 0,
+                "extra_body": {"return_token_ids": True}}  # fmt: skip
+        if bias:
+            body["logit_bias"] = {str(t): b for t, b in bias.items()}
+        if api == "chat":
+            out = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], **body
+            )
+        else:
+            out = client.completions.create(model=MODEL, prompt=ids, **body)
+        choice = out.choices[0]
+        return choice.model_extra["token_ids"], choice.finish_reason
+
+    plain, _ = answer({})
+    forced, _ = answer({ids[-1]: 100.0})
+    assert forced == [ids[-1]] * 4
+    banned, _ = answer({plain[0]: -100.0})
+    assert banned[0] != plain[0]
+    if api == "completions":  # the engine itself, from the same token ids
+        params = SamplingParams(max_tokens=4, temperature=0, logit_bias={plain[0]: -100.0})
+        assert banned == dense_llm.generate([ids], params)[0].token_ids
 
 
 def test_special_token_text_in_a_message_is_plain_text(client, dense_llm):
