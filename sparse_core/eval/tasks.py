@@ -91,15 +91,20 @@ class TaskBuilder:
     ) -> tuple[list[int], int]:
         """The prompt's token ids and how many of them come before the question."""
         head = f"{instruction}\n\n{context}"
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{head}\n\n{question}"}]
-        )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        content = f"{head}\n\n{question}"
+        # A base model (no chat template) reads the plain text after its BOS; a chat template
+        # writes its own.
+        chat = self.tokenizer.has_chat_template
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+        else:
+            text = f"{content}\n"
+        ids = self.tokenizer.encode(text, add_special_tokens=not chat)
         ids += self.tokenizer.encode(prefix, add_special_tokens=False)
         # Tokens of the text up to the end of the context; the few that could merge across the
         # boundary are counted with the question.
         before = self.tokenizer.encode(
-            text[: text.index(head) + len(head)], add_special_tokens=False
+            text[: text.index(head) + len(head)], add_special_tokens=not chat
         )
         context_len = next(
             (i for i, (a, b) in enumerate(zip(before, ids, strict=False)) if a != b), len(before)

@@ -112,3 +112,56 @@ def test_a_profile_calibrated_where_the_model_is_served_is_the_engines_default(
     args = build_parser().parse_args(argv)
     assert args.func(args) == 0
     assert profile.stat().st_mtime_ns == mtime
+
+
+def _qwen3_checkpoint(path):
+    import torch
+    import transformers
+
+    from tests.hf_checkpoints import save_checkpoint
+
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return str(save_checkpoint(transformers.Qwen3ForCausalLM(config).eval(), path))
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+def test_calibration_runs_on_qwen3_and_gemma3_over_the_layers_it_can_compress(
+    tmp_path, architecture
+):
+    """`kvsparse calibrate` end to end on a small random Qwen3 checkpoint saved by
+    transformers, and on Gemma 3's tiny preset, whose profile counts only the 2 global layers of
+    its 6 (the sliding-window ones keep their window whatever the profile); an engine's plan
+    then keeps the profile's layer whole, and Gemma's local layers in a group of their own."""
+    from sparse_core.cli import build_parser
+    from sparse_core.config import SparsityConfig
+    from sparse_core.models.loader import load_model_source
+    from sparse_core.policy import plan_layers
+
+    model = (
+        _qwen3_checkpoint(tmp_path / "qwen3") if architecture == "qwen3" else "dummy:gemma3-tiny"
+    )
+    profile = tmp_path / "profile.json"
+    argv = ["calibrate", "--model", model, "--tasks", "passkey", "--lengths", "300",
+            "--samples", "1", "--band-size", "1", "--num-full", "1", "--window", "8",
+            "--compare-ratios", "", "--profile", str(profile)]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.func(args) == 0
+    written = json.loads(profile.read_text())
+    scored = 3 if architecture == "qwen3" else 2
+    assert [band["layers"] for band in written["sensitivity"]] == [[i] for i in range(scored)]
+    (kept,) = written["full_layers"]
+
+    config = load_model_source(model).config
+    sparsity = SparsityConfig(policy="snapkv", budget=64, full_layers=written["full_layers"])
+    plan = plan_layers(sparsity, config.num_hidden_layers, config.name, config.sliding)
+    whole = [g for g in plan.groups if g.budget is None and g.sliding_window is None]
+    global_layers = [i for i in range(config.num_hidden_layers) if not config.is_sliding(i)]
+    assert [layer for g in whole for layer in g.layers] == [global_layers[kept]]
+    if architecture == "gemma3":
+        (local,) = [g for g in plan.groups if g.sliding_window is not None]
+        assert list(local.layers) == [0, 1, 3, 4]

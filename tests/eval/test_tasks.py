@@ -64,3 +64,19 @@ def test_context_len_ends_the_context_before_the_question(builder, task):
 def test_a_length_shorter_than_the_task_text_is_refused(builder):
     with pytest.raises(ValueError, match="cannot hold this task's instruction"):
         builder.build("passkey", 20, 1)
+
+
+def test_a_base_model_without_a_chat_template_gets_the_plain_text(dense_llm, monkeypatch):
+    """`kvsparse calibrate` on a base checkpoint (no chat template): its prompts are the plain
+    task text, still of the length asked and with the answers in the context."""
+    tokenizer = dense_llm.tokenizer
+
+    def markup(sample: Sample) -> bool:
+        return "<|im_start|>" in tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
+
+    assert markup(TaskBuilder(tokenizer, seed=0).build("niah_single_english", LENGTH, 1)[0])
+    monkeypatch.setattr(type(tokenizer), "has_chat_template", property(lambda self: False))
+    for s in TaskBuilder(tokenizer, seed=0).build("niah_single_english", LENGTH, 2):
+        assert not markup(s) and 0.9 * LENGTH <= len(s.prompt_ids) <= LENGTH
+        context = tokenizer.decode(s.prompt_ids[: s.context_len])
+        assert all(a in context for a in s.answers)
