@@ -25,8 +25,9 @@ def test_each_step_is_logged_as_the_engine_records_it(tmp_path):
     llm.shutdown()
     assert [len(o.token_ids) for o in outs] == [5, 5]
     lines = read_lines(path)
-    # The engine's own step records, with when each step ended and which engine (pool) ran it.
-    engine = {"policy": "dense", "budget": 512}
+    # The engine's own step records, with when each step ended and which engine (pool) ran it:
+    # the default's, snapkv at 512.
+    engine = {"policy": "snapkv", "budget": 512}
     assert [{k: v for k, v in line.items() if k != "end_unix_s"} for line in lines] == [
         {**engine, **asdict(r)} for r in llm.engine.step_records
     ]
