@@ -150,9 +150,11 @@ class SamplingFields(BaseModel):
             return None
         by_id = {}
         for key, bias in self.logit_bias.items():
-            if not key.strip().isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            by_id[int(key)] = bias
+            try:
+                token = int(key)  # as vLLM reads them; negative ones SamplingParams refuses
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:20]!r}") from None
+            by_id[token] = bias
         return by_id
 
     def choice_seed(self, index: int) -> int | None:

@@ -42,7 +42,7 @@ def test_an_fp8_cache_holds_twice_the_tokens_in_the_same_memory():
 @pytest.mark.parametrize(
     "sparsity,engine_args",
     [
-        (SparsityConfig(), {}),
+        (SparsityConfig(policy="dense"), {}),
         pytest.param(
             SparsityConfig(policy="snapkv", budget=24, window=4, sinks=2, full_layers=3),
             {"enable_chunked_prefill": True, "max_num_batched_tokens": 32},

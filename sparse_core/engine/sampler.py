@@ -1,6 +1,7 @@
 """Next-token choice for a batch, on the logits' device: `logit_bias`, penalties and
-`min_tokens` bans applied to the logits first (in that order, as vLLM applies them), then greedy rows by argmax, the rest drawn from their temperature-scaled
-distribution after top-k and top-p, by inverse CDF.
+`min_tokens` bans applied to the logits first (in that order, as vLLM applies them), then
+greedy rows by argmax, the rest drawn from their temperature-scaled distribution after top-k
+and top-p, by inverse CDF.
 
 Every sampled row draws one uniform number on the host, from its sequence's own generator when
 the request has a `seed` (so its output does not depend on what else is in the batch) and from
@@ -9,7 +10,7 @@ until the engine asks for it: copying each row of a large vocabulary to the host
 there costs many decode steps' time (docs/benchmarks.md, "Engine internals").
 
 Logprobs (`SamplingParams.logprobs`) are those of the model's raw output: the log-softmax of the
-logits in float32, before penalties, `min_tokens` bans, temperature, top-k and top-p, as vLLM
+logits in float32, before `logit_bias`, penalties, `min_tokens` bans, temperature, top-k and top-p, as vLLM
 returns them by default (`logprobs_mode="raw_logprobs"`). `sampled_logprobs` computes them on the
 device, batched over the rows that ask (a step with none does nothing more).
 """

@@ -212,11 +212,12 @@ class Scheduler:
         admission = self.block_manager.admission(seq)
         remaining = seq.num_prefill_tokens - admission.num_cached_tokens
         chunk = self._next_chunk(remaining, budget)
-        if chunk < remaining:  # more chunks follow: admitted as a chunked prefill
+        if chunk == 0:
+            return 0, None
+        # More chunks follow: a prefill that does not cache takes another count of blocks.
+        if chunk < remaining and not admission.caches:
             admission = self.block_manager.admission(seq, chunked=True)
-        if chunk and admission.fits:
-            return chunk, admission
-        return 0, None
+        return (chunk, admission) if admission.fits else (0, None)
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted: list[Sequence] = []

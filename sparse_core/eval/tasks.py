@@ -1,8 +1,9 @@
 """Seeded long-context tasks built with the model's own tokenizer (RULER-style).
 
-Every prompt is a chat turn: an instruction, the context (a haystack with needles in it), the
-question at the end, then the start of the answer after the assistant header, so that a small
-instruct model answers in a form that can be checked by string match. Sent whole, the question
+Every prompt is a chat turn (for a model with a chat template; a base model's is the plain text
+after its BOS): an instruction, the context (a haystack with needles in it), the question at
+the end, then the start of the answer after the assistant header, so that a small instruct
+model answers in a form that can be checked by string match. Sent whole, the question
 sits in the engine's observation window (the query-aware setting); `context_len` marks where the
 question starts, so the runner can have only the part before it compressed (query-agnostic).
 """
@@ -92,19 +93,21 @@ class TaskBuilder:
         """The prompt's token ids and how many of them come before the question."""
         head = f"{instruction}\n\n{context}"
         content = f"{head}\n\n{question}"
-        # A base model (no chat template) reads the plain text after its BOS; a chat template
-        # writes its own.
-        chat = self.tokenizer.has_chat_template
-        if chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}])
+        # A base model (no chat template) reads the plain text after its BOS (and no EOS a
+        # tokenizer might add); a chat template writes its own.
+        tokenizer = self.tokenizer
+        if tokenizer.has_chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": content}])
+            bos = []
         else:
             text = f"{content}\n"
-        ids = self.tokenizer.encode(text, add_special_tokens=not chat)
-        ids += self.tokenizer.encode(prefix, add_special_tokens=False)
+            bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        ids = bos + tokenizer.encode(text, add_special_tokens=False)
+        ids += tokenizer.encode(prefix, add_special_tokens=False)
         # Tokens of the text up to the end of the context; the few that could merge across the
         # boundary are counted with the question.
-        before = self.tokenizer.encode(
-            text[: text.index(head) + len(head)], add_special_tokens=not chat
+        before = bos + tokenizer.encode(
+            text[: text.index(head) + len(head)], add_special_tokens=False
         )
         context_len = next(
             (i for i, (a, b) in enumerate(zip(before, ids, strict=False)) if a != b), len(before)

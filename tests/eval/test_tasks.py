@@ -72,11 +72,12 @@ def test_a_base_model_without_a_chat_template_gets_the_plain_text(dense_llm, mon
     tokenizer = dense_llm.tokenizer
 
     def markup(sample: Sample) -> bool:
-        return "<|im_start|>" in tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
+        return "<|im_start|>user" in tokenizer.decode(sample.prompt_ids, skip_special_tokens=False)
 
     assert markup(TaskBuilder(tokenizer, seed=0).build("niah_single_english", LENGTH, 1)[0])
     monkeypatch.setattr(type(tokenizer), "has_chat_template", property(lambda self: False))
     for s in TaskBuilder(tokenizer, seed=0).build("niah_single_english", LENGTH, 2):
         assert not markup(s) and 0.9 * LENGTH <= len(s.prompt_ids) <= LENGTH
+        assert s.prompt_ids[0] == tokenizer.bos_token_id is not None
         context = tokenizer.decode(s.prompt_ids[: s.context_len])
         assert all(a in context for a in s.answers)

@@ -80,6 +80,7 @@ def test_the_docs_list_the_refused_fields_the_code_refuses():
      ({**CHAT, "logprobs": False, "top_logprobs": 0}, "top_logprobs"),
      ({**COMPLETION, "logit_bias": {"1": 100.5}}, "logit_bias"),
      ({**CHAT, "logit_bias": {"one": 1}}, "logit_bias"),
+     ({**CHAT, "logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int
      ({**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
      ({**COMPLETION, "logit_bias": {"99999999": 1}}, "logit_bias")],  # past the vocabulary
 )  # fmt: skip
