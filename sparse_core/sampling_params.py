@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 # A seed is a signed 64-bit integer, as in vLLM.
@@ -129,10 +130,7 @@ class SamplingParams:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
                              f"{len(self.stop_token_ids)}")  # fmt: skip
-        for token in self.stop_token_ids:
-            _check_int("stop_token_ids", token)
-            if token < 0:
-                raise ValueError(f"stop_token_ids must be token ids (>= 0), got {token}")
+        _check_token_ids("stop_token_ids", self.stop_token_ids)
 
     def _check_logit_bias(self) -> None:
         bias = self.logit_bias
@@ -143,14 +141,12 @@ class SamplingParams:
         if len(bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_TOKENS} token ids, "
                              f"got {len(bias)}")  # fmt: skip
+        _check_token_ids("logit_bias keys", bias)
         low, high = LOGIT_BIAS_RANGE
-        for token, value in bias.items():
-            _check_int("logit_bias token ids", token)
-            if token < 0:
-                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+        for value in bias.values():
             _check_finite("logit_bias values", value)
             if not low <= value <= high:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                raise ValueError(f"logit_bias values must be in [{low:g}, {high:g}], got {value}")
 
     def verify(self, vocab_size: int) -> None:
         """What depends on the model: `top_k` at most the vocabulary, `stop_token_ids` and
@@ -161,7 +157,7 @@ class SamplingParams:
             raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or 0 or "
                              f"-1 to disable it), got {self.top_k}")  # fmt: skip
         for name, ids in (("stop_token_ids", self.stop_token_ids),
-                          ("logit_bias token ids", self.logit_bias or {})):  # fmt: skip
+                          ("logit_bias keys", self.logit_bias or {})):  # fmt: skip
             outside = [t for t in ids if t >= vocab_size]
             if outside:
                 raise ValueError(f"{name} must be in [0, {vocab_size}), the model's "
@@ -186,6 +182,13 @@ class SamplingParams:
         """Ids that cannot be sampled before `min_tokens` outputs: those that would stop it."""
         eos = [] if self.ignore_eos else self.eos_token_ids
         return list(dict.fromkeys([*self.stop_token_ids, *eos]))
+
+
+def _check_token_ids(name: str, ids: Iterable[int]) -> None:
+    for token in ids:
+        _check_int(name, token)
+        if token < 0:
+            raise ValueError(f"{name} must be token ids (>= 0), got {token}")
 
 
 def _check_int(name: str, value: object) -> None:

@@ -23,6 +23,25 @@ def save_checkpoint(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+def tiny_qwen3() -> torch.nn.Module:
+    """A tiny random Qwen3: head_dim 32 where hidden / heads is 16 (Qwen3 sets it apart), tied
+    embeddings, weights large enough for peaked attention and norm weights away from 1, so that
+    a missing or misplaced q/k norm changes the tokens."""
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=512,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return model
+
+
 def save_fp8_dynamic(model: torch.nn.Module, path: Path) -> Path:
     """`model` quantized FP8-Dynamic with compressed-tensors (every Linear but lm_head) and
     saved as llm-compressor saves it; `model` is quantized in place."""

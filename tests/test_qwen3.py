@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from sparse_core import LLM, SamplingParams, SparsityConfig
 from sparse_core.models.config import DUMMY_PRESETS
 from sparse_core.models.loader import load_model_source
-from tests.hf_checkpoints import save_checkpoint
+from tests.hf_checkpoints import save_checkpoint, tiny_qwen3
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 77, 8, 120, 64, 31, 200], [9, 9, 140, 33, 7]]
 NEW_TOKENS = 24
@@ -20,21 +19,8 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    """A tiny Qwen3: head_dim 32 where hidden / heads is 16 (Qwen3 sets it apart), tied
-    embeddings, weights large enough for peaked attention and norm weights away from 1, so that
-    a missing or misplaced q/k norm changes the tokens."""
-    config = transformers.Qwen3Config(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=512,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, initializer_range=0.3,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+    """`tiny_qwen3` saved as transformers saves it."""
+    model = tiny_qwen3()
     return save_checkpoint(model, tmp_path_factory.mktemp("qwen3")), model
 
 

@@ -144,8 +144,8 @@ def test_token_ids_outside_the_vocabulary(tiny):
         ({"stop_token_ids": list(range(1025))}, "stop_token_ids may hold at most 1024"),
         ({"stop_token_ids": [True]}, "stop_token_ids must be an integer"),
         ({"logit_bias": [1, 2]}, "logit_bias must map token ids to biases"),
-        ({"logit_bias": {-1: 1.0}}, r"logit_bias token ids must be >= 0"),
-        ({"logit_bias": {"5": 1.0}}, "logit_bias token ids must be an integer"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias keys must be token ids \(>= 0\)"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be an integer"),
         ({"logit_bias": {5: 100.5}}, r"logit_bias values must be in \[-100, 100\]"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias values must be a finite number"),
         ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias may hold at most 1024"),
@@ -170,7 +170,7 @@ def test_top_k_minus_one_is_off_as_in_vllm():
         ({"top_k": 513}, r"top_k must be at most the vocabulary size 512"),
         ({"stop_token_ids": [10**12], "min_tokens": 2}, r"stop_token_ids must be in \[0, 512\)"),
         ({"stop_token_ids": [512]}, r"stop_token_ids must be in \[0, 512\)"),
-        ({"logit_bias": {3: 1.0, 512: -5.0}}, r"logit_bias token ids must be in \[0, 512\)"),
+        ({"logit_bias": {3: 1.0, 512: -5.0}}, r"logit_bias keys must be in \[0, 512\)"),
     ],
 )
 def test_fields_beyond_the_vocabulary_are_refused_when_the_request_is_added(tiny, kwargs, message):

@@ -120,10 +120,11 @@ class BlockManager:
             num_cached = len(cached[0]) * self.block_size
             new = self._new_blocks(seq, chunked, num_cached)
             if self._fits(cached, new, caches=True):
-                return Admission(seq, chunked, cached, num_cached, new, True, True)
+                return Admission(seq, chunked, cached, num_cached, new, caches=True, fits=True)
         none: list[list[int]] = [[] for _ in self.groups]
         new = self._new_blocks(seq, chunked, None)
-        return Admission(seq, chunked, none, 0, new, False, self._fits(none, new, caches=False))
+        fits = self._fits(none, new, caches=False)
+        return Admission(seq, chunked, none, 0, new, caches=False, fits=fits)
 
     def _fits(self, cached: list[list[int]], new: int, caches: bool) -> bool:
         """Room for `new` blocks, beside the cached ones the admission takes out of the cache

@@ -10,9 +10,10 @@ until the engine asks for it: copying each row of a large vocabulary to the host
 there costs many decode steps' time (docs/benchmarks.md, "Engine internals").
 
 Logprobs (`SamplingParams.logprobs`) are those of the model's raw output: the log-softmax of the
-logits in float32, before `logit_bias`, penalties, `min_tokens` bans, temperature, top-k and top-p, as vLLM
-returns them by default (`logprobs_mode="raw_logprobs"`). `sampled_logprobs` computes them on the
-device, batched over the rows that ask (a step with none does nothing more).
+logits in float32, before `logit_bias`, penalties, `min_tokens` bans, temperature, top-k and
+top-p, as vLLM returns them by default (`logprobs_mode="raw_logprobs"`). `sampled_logprobs`
+computes them on the device, batched over the rows that ask (a step with none does nothing
+more).
 """
 
 from __future__ import annotations
@@ -109,8 +110,7 @@ def _adjusted(
     device, vocab = logits.device, logits.shape[-1]
     if biased:
         at = to_device([[row, token] for row, token, _ in biased], torch.int64, device)
-        biases = to_device([bias for _, _, bias in biased], torch.float32, device)
-        logits[at[:, 0], at[:, 1]] += biases.to(logits.dtype)
+        logits[at[:, 0], at[:, 1]] += to_device([b for _, _, b in biased], logits.dtype, device)
     if rows:
         index = to_device(rows, torch.int64, device)
         outputs = _padded([seqs[r].output_token_ids for r in rows], vocab, device)

@@ -114,21 +114,6 @@ def test_a_profile_calibrated_where_the_model_is_served_is_the_engines_default(
     assert profile.stat().st_mtime_ns == mtime
 
 
-def _qwen3_checkpoint(path):
-    import torch
-    import transformers
-
-    from tests.hf_checkpoints import save_checkpoint
-
-    config = transformers.Qwen3Config(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, vocab_size=300, max_position_embeddings=1024,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return str(save_checkpoint(transformers.Qwen3ForCausalLM(config).eval(), path))
-
-
 @pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
 def test_calibration_runs_on_qwen3_and_gemma3_over_the_layers_it_can_compress(
     tmp_path, architecture
@@ -141,9 +126,12 @@ def test_calibration_runs_on_qwen3_and_gemma3_over_the_layers_it_can_compress(
     from sparse_core.config import SparsityConfig
     from sparse_core.models.loader import load_model_source
     from sparse_core.policy import plan_layers
+    from tests.hf_checkpoints import save_checkpoint, tiny_qwen3
 
     model = (
-        _qwen3_checkpoint(tmp_path / "qwen3") if architecture == "qwen3" else "dummy:gemma3-tiny"
+        str(save_checkpoint(tiny_qwen3(), tmp_path / "qwen3"))
+        if architecture == "qwen3"
+        else "dummy:gemma3-tiny"
     )
     profile = tmp_path / "profile.json"
     argv = ["calibrate", "--model", model, "--tasks", "passkey", "--lengths", "300",
