@@ -131,6 +131,45 @@ def test_scaled_mm_matches_the_reference(rows):
     assert not out[1:-1].isnan().any() and out[[0, -1]].isnan().all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not supports_fp8(torch.device("cuda")),
+    reason="needs a GPU with FP8 tensor cores",
+)
+@pytest.mark.parametrize("preset", ["tiny", "gemma3-tiny"])
+@pytest.mark.parametrize("rows", [5, 100, 600, 2100])
+def test_fp8_layers_take_activations_quantized_by_the_fused_kernels(preset, rows):
+    """A decoder layer around its attention with FP8 projections, through the Triton kernels
+    (the norms and the MLP's activation quantize for the projections they feed; every route of
+    the FP8 matmul by row count; 2,100 rows cut into MLP slices) against plain torch, Llama's
+    layout and Gemma's sandwich norms with GELU."""
+    from sparse_core.kernels import get_ops
+
+    cuda = torch.device("cuda")
+    config = DUMMY_PRESETS[preset]
+    plan = plan_layers(SparsityConfig(policy="dense"), config.num_hidden_layers, config.name)
+    layers = []
+    for ops in (get_ops(cuda), REFERENCE_OPS):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with cuda, quantize_at_load():
+                model = LlamaForCausalLM(config, plan, ops, 64)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        model.load_weights(dummy_weights(config, seed=0, device=cuda))
+        layers.append(model.model.layers[0])
+    generator = torch.Generator(cuda).manual_seed(0)
+    hidden, q_size = config.hidden_size, config.num_attention_heads * config.head_dim
+    x, residual = (
+        torch.randn(rows, hidden, device=cuda, generator=generator).bfloat16() for _ in "xr"
+    )
+    attn_out = torch.randn(rows, q_size, device=cuda, generator=generator).bfloat16()
+    (qkv, res), (want_qkv, want_res) = (layer.attention_input(x, residual) for layer in layers)
+    assert rel_err(qkv, want_qkv) < 2e-2 and torch.equal(res, want_res)
+    (out, res), (want_out, want_res) = (layer.after_attention(attn_out, x) for layer in layers)
+    assert rel_err(out, want_out) < 2e-2 and torch.equal(res, want_res)
+
+
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea.",

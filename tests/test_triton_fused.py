@@ -44,6 +44,50 @@ def test_act_and_mul(dtype, rows, cols, activation):
     close(tf.act_and_mul(x, activation), ref.act_and_mul(x, activation), dtype)
 
 
+def assert_same_fp8(got, want):
+    """Quantized activations (`FP8Rows`) equal but for values half-way between two e4m3
+    numbers, which the kernel's division may round the other way."""
+    assert got.dtype == want.dtype and got.values.shape == want.values.shape
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
+    mismatched = (got.values.float() != want.values.float()).float().mean().item()
+    assert mismatched < 1e-3, f"{mismatched:.2%} of the e4m3 values differ"
+
+
+FP8_SIZES = [(5, 48), (4, 3000)] + ([(300, 4096), (40, 14336)] if HAS_CUDA else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), FP8_SIZES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_fp8_quantizes_as_the_fp8_layer_would(dtype, rows, cols, with_residual):
+    """The norm's output quantized in the norm's kernel, against the reference norm then the
+    per-row quantization an FP8 linear layer applies; a zero row takes the smallest scale."""
+    x = (torch.randn(rows, cols, device=DEVICE) * 4).to(dtype)
+    x[1] = 0
+    residual = torch.randn(rows, cols, device=DEVICE).to(dtype) if with_residual else None
+    if residual is not None:
+        residual[1] = 0
+    weight = torch.rand(cols, device=DEVICE).to(dtype) + 0.5
+    got, got_res = tf.rms_norm_fp8(x, weight, 1e-5, residual)
+    want, want_res = ref.rms_norm_fp8(x, weight, 1e-5, residual)
+    assert_same_fp8(got, want)
+    assert (got.values[1].float() == 0).all()
+    close(got_res, want_res, dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "cols"), FP8_SIZES)
+def test_act_and_mul_fp8_quantizes_as_the_fp8_layer_would(dtype, rows, cols, activation):
+    """Rows wider than one block (3,000 and 14,336 columns) take the kernel's two passes over
+    several blocks; a row whose largest product sits in its last block checks the first."""
+    x = (3 * torch.randn(rows, 2 * cols, device=DEVICE)).to(dtype)
+    x[0, cols - 1] = x[0, 2 * cols - 1] = 40.0  # gate and up of the row's last column
+    got = tf.act_and_mul_fp8(x, activation)
+    assert_same_fp8(got, ref.act_and_mul_fp8(x, activation))
+    assert got.values[0, -1].float().item() == 448.0  # its largest maps to e4m3's largest
+
+
 def test_an_unknown_activation_is_refused():
     with pytest.raises(ValueError, match="unsupported activation 'relu'"):
         tf.act_and_mul(torch.zeros(2, 8, device=DEVICE), "relu")

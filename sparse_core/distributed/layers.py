@@ -17,7 +17,7 @@ from torch import nn
 
 from sparse_core.distributed.communication import all_gather, all_reduce
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
-from sparse_core.kernels.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_rows
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8Rows, fp8_linear_reference, quantize_rows
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -101,9 +101,15 @@ class QuantizableLinear(nn.Linear):
             self.weight.shape[0], 1, dtype=torch.float32, device=self.weight.device
         )
 
-    def matmul(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def is_fp8(self) -> bool:
+        """Whether the weight is FP8: the layer then takes its input quantized (`FP8Rows`)
+        from the kernel that produces it, or quantizes it itself."""
+        return self.weight.dtype == FP8_DTYPE
+
+    def matmul(self, x: torch.Tensor | FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
         """x @ weight^T, into `out` if given."""
-        if self.weight.dtype == FP8_DTYPE:
+        if self.is_fp8:
             if x.device.type == "cuda":
                 from sparse_core.kernels.triton_fp8 import fp8_linear_cuda  # imports Triton
 
@@ -129,7 +135,7 @@ class ColumnParallelLinear(QuantizableLinear):
         self.output_sizes = [_split(s, self.tp_size, "output size") for s in output_sizes]
         super().__init__(in_features, sum(self.output_sizes), bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FP8Rows) -> torch.Tensor:
         y = self.matmul(x)
         return y if self.bias is None else y + self.bias
 
@@ -152,7 +158,7 @@ class RowParallelLinear(QuantizableLinear):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         super().__init__(_split(in_features, self.tp_size, "input size"), out_features, bias)
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
         """`out`: where the result goes (rows of a larger tensor): written there by the matmul
         without tensor parallelism or a bias, copied there otherwise."""
         if self.tp_size == 1 and self.bias is None:

@@ -19,6 +19,8 @@ class KernelOps:
 
     `prefill_attention` returns (out, lse) where lse may be None: the caller then computes the
     window LSE with `window_lse` (the CPU path uses torch's fused SDPA, which emits no LSE).
+    `rms_norm_fp8` and `act_and_mul_fp8` quantize their output for an FP8 linear layer
+    (`fp8.FP8Rows`).
     """
 
     name: str
@@ -30,7 +32,9 @@ class KernelOps:
     store_selected_kv: Callable
     paged_decode_attention: Callable
     rms_norm: Callable
+    rms_norm_fp8: Callable
     act_and_mul: Callable
+    act_and_mul_fp8: Callable
     rotate_and_store_kv: Callable
     rotate_store_and_decode: Callable
 
@@ -52,7 +56,9 @@ REFERENCE_OPS = KernelOps(
     store_selected_kv=reference.store_selected_kv,
     paged_decode_attention=reference.paged_decode_attention,
     rms_norm=reference.rms_norm,
+    rms_norm_fp8=reference.rms_norm_fp8,
     act_and_mul=reference.act_and_mul,
+    act_and_mul_fp8=reference.act_and_mul_fp8,
     rotate_and_store_kv=reference.rotate_and_store_kv,
     rotate_store_and_decode=reference.rotate_store_and_decode,
 )
@@ -72,7 +78,9 @@ def _triton_ops() -> KernelOps:
         store_selected_kv=tk.store_selected_kv,
         paged_decode_attention=tk.paged_decode_attention,
         rms_norm=tf.rms_norm,
+        rms_norm_fp8=tf.rms_norm_fp8,
         act_and_mul=tf.act_and_mul,
+        act_and_mul_fp8=tf.act_and_mul_fp8,
         rotate_and_store_kv=tk.rotate_and_store_kv,
         rotate_store_and_decode=tk.rotate_store_and_decode,
     )

@@ -11,6 +11,7 @@ differ only by the matmul's rounding.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -60,13 +61,42 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x_fp8, scale
 
 
+@dataclass(frozen=True)
+class FP8Rows:
+    """Activations quantized per token for an FP8 linear layer (`quantize_rows`), by the kernel
+    that produced them (an RMSNorm, the MLP's activation) rather than by a pass of their own.
+    Indexes and measures rows like the tensor it stands for: `len`, `[rows]`, `dtype`,
+    `device`."""
+
+    values: torch.Tensor  # e4m3 (rows, features)
+    scale: torch.Tensor  # float32 (rows, 1): values * scale ~= the activations
+    dtype: torch.dtype  # the activations' dtype, which the layer's output takes
+
+    def __len__(self) -> int:
+        return self.values.shape[0]
+
+    def __getitem__(self, rows: slice) -> FP8Rows:
+        return FP8Rows(self.values[rows], self.scale[rows], self.dtype)
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+
+def quantize_activations(x: torch.Tensor) -> FP8Rows:
+    """x (rows, features) quantized per row, as an FP8 linear layer takes it."""
+    return FP8Rows(*quantize_rows(x), x.dtype)
+
+
 def fp8_linear_reference(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+    x: torch.Tensor | FP8Rows, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
-    """y = x @ W^T with W = weight (out, in) e4m3 x weight_scale (out, 1), x quantized per token;
-    dequantized and computed in float32, returned in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    x_fp8, x_scale = quantize_rows(rows)
+    """y = x @ W^T with W = weight (out, in) e4m3 x weight_scale (out, 1), x quantized per token
+    (unless given quantized); dequantized and computed in float32, returned in x's dtype."""
+    if isinstance(x, FP8Rows):
+        rows, shape = x, x.values.shape
+    else:
+        rows, shape = quantize_activations(x.reshape(-1, x.shape[-1])), x.shape
     w = weight.float() * weight_scale
-    y = (x_fp8.float() * x_scale) @ w.t()
-    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    y = (rows.values.float() * rows.scale) @ w.t()
+    return y.to(rows.dtype).reshape(*shape[:-1], weight.shape[0])

@@ -16,7 +16,14 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, UNIT_SCALES, KVScales
+from sparse_core.kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    UNIT_SCALES,
+    FP8Rows,
+    KVScales,
+    quantize_activations,
+)
 
 
 def prefill_attention(
@@ -383,6 +390,14 @@ def rms_norm(
     return (weight * normed).to(x.dtype), x
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[FP8Rows, torch.Tensor]:
+    """`rms_norm` with its output quantized for an FP8 linear layer (`quantize_activations`)."""
+    normed, residual_out = rms_norm(x, weight, eps, residual)
+    return quantize_activations(normed), residual_out
+
+
 # The MLP gate activations: Llama's, and Gemma's GELU (its tanh approximation).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -398,6 +413,11 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * up
+
+
+def act_and_mul_fp8(x: torch.Tensor, activation: str = "silu") -> FP8Rows:
+    """`act_and_mul` with its output quantized for an FP8 linear layer."""
+    return quantize_activations(act_and_mul(x, activation))
 
 
 def apply_rotary_(

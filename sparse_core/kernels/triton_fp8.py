@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, FP8Rows
 from sparse_core.kernels.gpu_info import has_large_shared_memory
 from sparse_core.kernels.launcher import launch
 
@@ -44,6 +44,18 @@ if triton.knobs.runtime.interpret:
 
 
 @triton.jit
+def row_fp8_scale(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's float32 scale from its largest magnitude (`fp8.quantize_rows`)."""
+    return tl.maximum(amax / FP8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def to_fp8(x, scale, FP8_MAX: tl.constexpr):
+    """x (float32) / scale in e4m3, saturated to its range."""
+    return tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, out_ptr, scale_ptr, num_cols, stride_x, stride_out,
     FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
@@ -55,13 +67,13 @@ def _quantize_rows_kernel(
         mask = start + cols < num_cols
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+    scale = row_fp8_scale(tl.max(amax, axis=0), FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, num_cols, BLOCK):
         mask = start + cols < num_cols
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0)
-        q = tl.clamp(x.to(tl.float32) / scale, -FP8_MAX, FP8_MAX)
-        tl.store(out_ptr + row * stride_out + start + cols, q.to(tl.float8e4nv), mask=mask)
+        q = to_fp8(x.to(tl.float32), scale, FP8_MAX)
+        tl.store(out_ptr + row * stride_out + start + cols, q, mask=mask)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,7 +227,7 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def fp8_linear_cuda(
-    x: torch.Tensor,
+    x: torch.Tensor | FP8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out: torch.Tensor | None = None,
@@ -223,30 +235,34 @@ def fp8_linear_cuda(
     unscaled_max: int = UNSCALED_MAX_ROWS,
 ) -> torch.Tensor:
     """sparse_core/kernels/fp8.py's `fp8_linear_reference` on FP8 tensor cores, the activations
-    quantized by one Triton kernel; `out` (rows, out features) receives it if given. Inputs of
-    at most `few_rows_max` rows take the weight-streaming Triton matmul, up to `unscaled_max`
-    the unscaled matmul and the scaling kernel, more the row-wise scaled matmul."""
-    rows = x.reshape(-1, x.shape[-1])
-    num_rows, out_features = rows.shape[0], weight.shape[0]
-    x_fp8, x_scale = quantize_rows(rows)
+    quantized by one Triton kernel unless they come quantized; `out` (rows, out features)
+    receives it if given. Inputs of at most `few_rows_max` rows take the weight-streaming Triton
+    matmul, up to `unscaled_max` the unscaled matmul and the scaling kernel, more the row-wise
+    scaled matmul."""
+    if isinstance(x, FP8Rows):
+        (x_fp8, x_scale), dtype, shape = (x.values, x.scale), x.dtype, x.values.shape
+    else:
+        x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+        dtype, shape = x.dtype, x.shape
+    num_rows, out_features = x_fp8.shape[0], weight.shape[0]
     if num_rows > unscaled_max:
         y = torch._scaled_mm(
             x_fp8,
             weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
             scale_a=x_scale,
             scale_b=weight_scale.view(1, -1),
-            out_dtype=x.dtype,
+            out_dtype=dtype,
         )
-        return out.copy_(y) if out is not None else y.reshape(*x.shape[:-1], out_features)
+        return out.copy_(y) if out is not None else y.reshape(*shape[:-1], out_features)
     target = out
     if target is None:
-        target = torch.empty(num_rows, out_features, dtype=x.dtype, device=x.device)
+        target = torch.empty(num_rows, out_features, dtype=dtype, device=x_fp8.device)
     if num_rows <= few_rows_max:
         few_rows_matmul(x_fp8, x_scale, weight, weight_scale, target)
     else:
-        unit = _unit_scale(x.device)
+        unit = _unit_scale(x_fp8.device)
         acc = torch._scaled_mm(
             x_fp8, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32
         )
         scale_product(acc, x_scale, weight_scale, target)
-    return target if out is not None else target.reshape(*x.shape[:-1], out_features)
+    return target if out is not None else target.reshape(*shape[:-1], out_features)

@@ -1,6 +1,8 @@
 """Fused element-wise Triton kernels of the decoder layer: RMSNorm (with the residual add) and
 the MLP's activation-and-multiply, SiLU or GELU (rotary embedding, fused with the KV store, is
-with the attention kernels in `triton_kernels.py`).
+with the attention kernels in `triton_kernels.py`). Each also comes quantizing its output per
+token for an FP8 linear layer (`rms_norm_fp8`, `act_and_mul_fp8`): the FP8 layer then skips its
+own pass over the activations, which read them twice and wrote them once more.
 
 A decode step is a few hundred tiny kernels; on a GPU each costs a few microseconds however
 little it does, so folding ~8 element-wise launches into one per operation is what brings a
@@ -15,8 +17,10 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, FP8Rows
 from sparse_core.kernels.launcher import launch
 from sparse_core.kernels.reference import check_activation
+from sparse_core.kernels.triton_fp8 import row_fp8_scale, to_fp8
 from sparse_core.kernels.triton_kernels import early_launch
 
 if triton.knobs.runtime.interpret:
@@ -27,13 +31,14 @@ if triton.knobs.runtime.interpret:
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, QUANTIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     if PDL:
         gdc_wait()
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -45,36 +50,60 @@ def _rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     normed = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed * w).to(x.dtype)  # rounded as the unfused output
+    if QUANTIZE:
+        yf = y.to(tl.float32)
+        scale = row_fp8_scale(tl.max(tl.abs(yf), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * stride_o + cols, to_fp8(yf, scale, FP8_MAX), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+def _rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """Launches the kernel into `out` (and `scale` when quantizing); returns x + residual."""
+    rows, cols = x.shape
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    launch(
+        _rms_norm_kernel, (rows,),
+        x, res, weight, out, res_out, out if scale is None else scale,
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), cols, eps,
+        HAS_RESIDUAL=residual is not None, QUANTIZE=scale is not None, FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE, BLOCK=triton.next_power_of_2(cols), **early_launch(x),
+    )  # fmt: skip
+    return res_out
 
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual); without a residual, the second is x."""
-    rows, cols = x.shape
     out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
-    res = residual if residual is not None else x
-    launch(
-        _rms_norm_kernel, (rows,),
-        x, res, weight, out, res_out,
-        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), cols, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(cols), **early_launch(x),
-    )  # fmt: skip
-    return out, res_out
+    return out, _rms_norm(x, weight, eps, residual, out, None)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[FP8Rows, torch.Tensor]:
+    """`rms_norm` with its output quantized per row (`reference.rms_norm_fp8`)."""
+    out = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    res_out = _rms_norm(x, weight, eps, residual, out, scale)
+    return FP8Rows(out, scale, x.dtype), res_out
 
 
 @triton.jit
-def _act_and_mul_kernel(
-    x_ptr, out_ptr, stride_x, stride_o, n_cols,
-    GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    if PDL:
-        gdc_wait()
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+def _act_times_up(x_ptr, stride_x, row, cols, mask, n_cols, GELU: tl.constexpr):
+    """act(gate) * up at `cols` of a row of x = [gate | up], rounded to x's dtype as the torch
+    code rounds it: the activation, then the product."""
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -86,7 +115,47 @@ def _act_and_mul_kernel(
     else:
         act = g / (1.0 + tl.exp(-g))
     act = act.to(gate.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    return (act * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, stride_x, stride_o, n_cols,
+    GELU: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    y = _act_times_up(x_ptr, stride_x, row, cols, mask, n_cols, GELU)
+    tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+
+
+@triton.jit
+def _act_and_mul_fp8_kernel(
+    x_ptr, out_ptr, scale_ptr, stride_x, stride_o, n_cols,
+    GELU: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per row: a pass for the row's largest magnitude, then one that computes the
+    # same values again (their inputs now in L2) and stores them in e4m3.
+    if PDL:
+        gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        y = _act_times_up(x_ptr, stride_x, row, cols, cols < n_cols, n_cols, GELU)
+        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    scale = row_fp8_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offsets
+        mask = cols < n_cols
+        y = _act_times_up(x_ptr, stride_x, row, cols, mask, n_cols, GELU)
+        tl.store(out_ptr + row * stride_o + cols, to_fp8(y.to(tl.float32), scale, FP8_MAX), mask)
 
 
 def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -102,3 +171,20 @@ def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         GELU=activation == "gelu_pytorch_tanh", BLOCK=block, **early_launch(x),
     )  # fmt: skip
     return out
+
+
+def act_and_mul_fp8(x: torch.Tensor, activation: str = "silu") -> FP8Rows:
+    """`act_and_mul` with its output quantized per row (`reference.act_and_mul_fp8`)."""
+    check_activation(activation)
+    rows, width = x.shape
+    half = width // 2
+    out = torch.empty(rows, half, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows:
+        launch(
+            _act_and_mul_fp8_kernel, (rows,),
+            x, out, scale, x.stride(0), out.stride(0), half,
+            GELU=activation == "gelu_pytorch_tanh", FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+            BLOCK=min(2048, triton.next_power_of_2(half)), **early_launch(x),
+        )  # fmt: skip
+    return FP8Rows(out, scale, x.dtype)

@@ -27,7 +27,7 @@ from sparse_core.distributed.layers import (
 )
 from sparse_core.distributed.parallel_state import get_tp_rank, get_tp_size
 from sparse_core.kernels import KernelOps
-from sparse_core.kernels.fp8 import FP8_DTYPE
+from sparse_core.kernels.fp8 import FP8_DTYPE, FP8Rows
 from sparse_core.models.attention import PagedAttention, StepMetadata
 from sparse_core.models.config import ModelConfig
 from sparse_core.models.rotary import RotaryEmbedding
@@ -49,10 +49,12 @@ class RMSNorm(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normalised x + residual, x + residual)."""
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quantize: bool = False
+    ) -> tuple[torch.Tensor | FP8Rows, torch.Tensor]:
+        """(normalised x + residual, x + residual); the first quantized for an FP8 linear layer
+        with `quantize`."""
+        norm = self.ops.rms_norm_fp8 if quantize else self.ops.rms_norm
+        return norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -76,7 +78,7 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config, attn.ops) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config, attn.ops) if config.qk_norm else None
 
-    def project(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor | FP8Rows) -> torch.Tensor:
         """x [T, hidden] -> qkv [T, (Hq + 2 Hkv) * D], before RoPE (`attend` applies it)."""
         return self.qkv_proj(x)
 
@@ -110,17 +112,20 @@ class LlamaMLP(nn.Module):
         self.ops = ops
         self.activation = config.hidden_act
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MLP_SLICE_TOKENS:
+    def forward(self, x: torch.Tensor | FP8Rows) -> torch.Tensor:
+        if len(x) <= MLP_SLICE_TOKENS:
             return self._mlp(x)
-        out = torch.empty_like(x)
-        for start in range(0, x.shape[0], MLP_SLICE_TOKENS):
+        hidden = self.down_proj.out_features
+        out = torch.empty(len(x), hidden, dtype=x.dtype, device=x.device)
+        for start in range(0, len(x), MLP_SLICE_TOKENS):
             rows = slice(start, start + MLP_SLICE_TOKENS)
             self._mlp(x[rows], out[rows])
         return out
 
-    def _mlp(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.activation), out)
+    def _mlp(self, x: torch.Tensor | FP8Rows, out: torch.Tensor | None = None) -> torch.Tensor:
+        # An FP8 down projection takes its input quantized by the activation's kernel.
+        act = self.ops.act_and_mul_fp8 if self.down_proj.is_fp8 else self.ops.act_and_mul
+        return self.down_proj(act(self.gate_up_proj(x), self.activation), out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -142,13 +147,14 @@ class LlamaDecoderLayer(nn.Module):
     # A layer runs in three parts, so that CUDA graphs can capture everything between two
     # attentions (LlamaForCausalLM.piece): attention_input, self_attn.attend, after_attention.
     # x is the previous layer's MLP output, not yet added to the residual stream: the add
-    # happens inside the fused norm.
+    # happens inside the fused norm. A norm that feeds an FP8 projection quantizes its output
+    # for it.
 
     def attention_input(
         self, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv, residual stream)."""
-        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm(x, residual, self.self_attn.qkv_proj.is_fp8)
         return self.self_attn.project(h), residual
 
     def after_attention(
@@ -156,10 +162,12 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream) from the attention output [T, Hq * D]."""
         x = self.self_attn.o_proj(attn_out)
+        fp8_mlp = self.mlp.gate_up_proj.is_fp8
         if not self.sandwich:
-            h, residual = self.post_attention_layernorm(x, residual)
+            h, residual = self.post_attention_layernorm(x, residual, fp8_mlp)
             return self.mlp(h), residual
-        h, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x)[0], residual)
+        x = self.post_attention_layernorm(x)[0]
+        h, residual = self.pre_feedforward_layernorm(x, residual, fp8_mlp)
         return self.post_feedforward_layernorm(self.mlp(h))[0], residual
 
 
