@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -34,12 +35,12 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import RequestRouter
 
 from service.app import build_app as build_asgi_app
 from service.errors import APIError, overloaded
 from service.messages import Chunk, GenerateRequest
 from service.metrics import Metrics
-from service.router import KVCapacityRouter
 from service.settings import (
     PoolSpec,
     ServerSettings,
@@ -51,6 +52,20 @@ from service.streams import every_n_tokens
 
 if TYPE_CHECKING:
     from sparse_core.config import EngineConfig, SparsityConfig
+
+
+def _check_router_class(path: str) -> None:
+    """A clear error, at build time, for a request_router_class that Serve could not use."""
+    module, _, name = path.partition(":")
+    try:
+        router = getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"request_router_class {path!r} cannot be imported: {e}") from e
+    if not (isinstance(router, type) and issubclass(router, RequestRouter)):
+        raise ValueError(
+            f"request_router_class {path!r} must name a ray.serve.request_router.RequestRouter "
+            "subclass as 'module:Class'"
+        )
 
 
 @dataclass
@@ -89,6 +104,10 @@ class RayAppConfig:
     num_gpus_per_replica: float | None = None
     num_cpus_per_replica: float = 1
     routing_stats_period_s: float = 1.0
+    # Serve's request router for the engine deployments, as an import path (Serve's
+    # RequestRouterConfig.request_router_class): ours by default; another router, such as Ray
+    # Serve LLM's PrefixCacheAffinityRouter, in its place (docs/serving.md, "Routing").
+    request_router_class: str = "service.router:KVCapacityRouter"
     ingress_replicas: int = 1
     # A replica being stopped (scaled down, or its pod terminated) waits this long for its
     # requests before it is killed: below Kubernetes' 30 s grace period (the chart checks).
@@ -108,6 +127,7 @@ class RayAppConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        _check_router_class(self.request_router_class)
 
     def engine_config(self) -> EngineConfig:
         """The engine's configuration, with a server's defaults where `engine` leaves a field
@@ -320,7 +340,7 @@ def engine_options(cfg: RayAppConfig, engine: EngineConfig) -> dict[str, Any]:
         "max_ongoing_requests": cfg.max_ongoing_requests or 2 * engine.max_num_seqs,
         "max_queued_requests": cfg.max_queued_requests,
         "request_router_config": RequestRouterConfig(
-            request_router_class=KVCapacityRouter,
+            request_router_class=cfg.request_router_class,
             request_routing_stats_period_s=cfg.routing_stats_period_s,
             request_routing_stats_timeout_s=max(cfg.routing_stats_period_s, 5.0),
         ),

@@ -28,6 +28,11 @@ K8S_VERSION = "1.33.0"
 CRD = Path(__file__).resolve().parent / "schemas" / "ray.io_rayservices.yaml.gz"
 CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
+# Ray Serve LLM's prefix-aware router, set in place of ours (serve.requestRouterClass).
+ROUTER_IN_ITS_PLACE = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+    ":PrefixCacheAffinityRouter"
+)
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tp2": {"tensorParallelSize": 2, "worker": {"resources": {"requests": {"cpu": "16"}}}},
@@ -58,7 +63,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "hfTokenSecret": {"name": "hf-token"},
             "cache": {"existingClaim": "model-cache"},
         },
-        "serve": {"apiKeySecret": {"name": "kvsparse-api-key"}, "maxOngoingRequests": 48},
+        "serve": {
+            "apiKeySecret": {"name": "kvsparse-api-key"},
+            "maxOngoingRequests": 48,
+            "requestRouterClass": ROUTER_IN_ITS_PLACE,
+        },
         "pools": "snapkv,dense",
         "rayAuth": {"mode": "disabled"},
     },
@@ -167,6 +176,10 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
         assert "api_key" not in app["args"]
         assert cfg.pools == "snapkv,dense" and cfg.max_ongoing_requests == 48
+    router = (
+        ROUTER_IN_ITS_PLACE if name == "secrets-pvc-pools" else "service.router:KVCapacityRouter"
+    )
+    assert cfg.request_router_class == router
     assert cfg.engine_kind == ("vllm" if name == "vllm-engine" else "native")
 
 

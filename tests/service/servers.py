@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
+import openai
 import uvicorn
 
 from service.settings import PoolSpec, ServerSettings
@@ -320,3 +321,43 @@ def ray_serve_app(args: dict, name: str, with_metrics: bool = False) -> Iterator
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def chat_cache_hits(
+    v1: str, tokenizer, conversations: int = 6, turns: int = 3
+) -> tuple[int, int, int]:
+    """Chats at once, each turn sending the conversation so far (a ~300-token document first)
+    with greedy 8-token answers: (prompt tokens, cached tokens as the responses report them,
+    cached tokens one replica would have found: every earlier turn's full 16-token blocks)."""
+    client = openai.AsyncOpenAI(base_url=v1, api_key=API_KEY, max_retries=0)
+
+    async def chat(c: int) -> list[tuple[int, int, int]]:
+        document = f"Document {c}. " + " ".join(
+            f"Fact {c}.{i}: the value of item {i} is {i * (c + 3)}." for i in range(20)
+        )
+        messages = [{"role": "system", "content": document}]
+        previous: list[int] = []
+        counts = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"What is the value of item {turn}?"})
+            out = await client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, temperature=0
+            )
+            ids = tokenizer.encode_chat(messages)
+            common = next((i for i, (a, b) in enumerate(zip(ids, previous, strict=False)) if a != b),
+                          min(len(ids), len(previous)))  # fmt: skip
+            usage = out.usage
+            counts.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
+                           common // 16 * 16))  # fmt: skip
+            messages.append({"role": "assistant", "content": out.choices[0].message.content})
+            previous = ids
+        return counts
+
+    async def chat_all() -> list[list[tuple[int, int, int]]]:
+        try:
+            return await asyncio.gather(*(chat(c) for c in range(conversations)))
+        finally:
+            await client.close()
+
+    counts = [t for conversation in asyncio.run(chat_all()) for t in conversation]
+    return tuple(sum(column) for column in zip(*counts, strict=True))  # type: ignore[return-value]

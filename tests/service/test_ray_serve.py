@@ -20,6 +20,7 @@ from tests.service.servers import (
     BadRequest,
     Server,
     abandon_request,
+    chat_cache_hits,
     check_refused,
     metric_sum,
     ray_serve_app,
@@ -217,43 +218,9 @@ def test_conversations_keep_their_prefix_cache_hits_across_two_replicas(ray_serv
     earlier turn's full 16-token blocks cached; the router sends each turn to the replica
     holding its conversation, so two find at least 90% as many, and both replicas serve
     conversations."""
-    tokenizer = dense_llm.tokenizer
-    client = openai.AsyncOpenAI(base_url=ray_server.v1, api_key=API_KEY, max_retries=0)
     before = ray_server.ray_metrics()
     name = "ray_vllm_prompt_tokens_total"
-
-    async def chat(c: int) -> list[tuple[int, int, int]]:
-        """(prompt tokens, cached tokens, what one replica would have cached) per turn."""
-        document = f"Document {c}. " + " ".join(
-            f"Fact {c}.{i}: the value of item {i} is {i * (c + 3)}." for i in range(20)
-        )
-        messages = [{"role": "system", "content": document}]
-        previous: list[int] = []
-        turns = []
-        for turn in range(3):
-            messages.append({"role": "user", "content": f"What is the value of item {turn}?"})
-            out = await client.chat.completions.create(
-                model=MODEL, messages=messages, max_tokens=8, temperature=0
-            )
-            ids = tokenizer.encode_chat(messages)
-            common = next((i for i, (a, b) in enumerate(zip(ids, previous, strict=False)) if a != b),
-                          min(len(ids), len(previous)))  # fmt: skip
-            usage = out.usage
-            turns.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens,
-                          common // 16 * 16))  # fmt: skip
-            messages.append({"role": "assistant", "content": out.choices[0].message.content})
-            previous = ids
-        return turns
-
-    async def chat_all() -> list[list[tuple[int, int, int]]]:
-        try:
-            return await asyncio.gather(*(chat(c) for c in range(6)))
-        finally:
-            await client.close()
-
-    turns = [t for conversation in asyncio.run(chat_all()) for t in conversation]
-    prompt = sum(t[0] for t in turns)
-    cached, one_replica = sum(t[1] for t in turns), sum(t[2] for t in turns)
+    prompt, cached, one_replica = chat_cache_hits(ray_server.v1, dense_llm.tokenizer)
     assert one_replica > 0.5 * prompt
     assert cached >= 0.9 * one_replica, (cached, one_replica, prompt)
 

@@ -60,6 +60,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $args "engine_kind" .Values.engineKind -}}
 {{- end }}
 {{- $_ := set $args "stream_interval" (int .Values.serve.streamInterval) -}}
+{{- with .Values.serve.requestRouterClass }}
+{{- $_ := set $args "request_router_class" . -}}
+{{- end }}
 {{- if ge (float64 .Values.serve.gracefulShutdownTimeoutS) (float64 .Values.terminationGracePeriodSeconds) }}
 {{- fail "serve.gracefulShutdownTimeoutS must be below terminationGracePeriodSeconds: a replica draining its requests would be killed first" }}
 {{- end }}
