@@ -4,6 +4,7 @@ blocks: cached, shared, counted as free, evicted least recently used."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sparse_core.cache.block_manager import BlockManager
@@ -158,6 +159,18 @@ def test_admission_is_refused_when_the_pool_lacks_the_blocks_of_every_group():
     assert not bm.admission(sequence("b", 400)).fits  # 22 + 25 + 3 > 46
     # Chunked, the sparse group holds the whole prefill: 22 + 19 + 19 > 46.
     assert not bm.admission(sequence("b", 300), chunked=True).fits
+
+
+def test_an_admission_made_before_the_pool_changed_is_not_allocated():
+    """An Admission holds within one scheduling decision: once another sequence took or gave
+    back blocks, allocating it fails instead of taking blocks it no longer fits."""
+    bm = manager()
+    first, second = sequence("a", 100), sequence("b", 100)
+    stale = bm.admission(second)
+    prefill(bm, first)
+    with pytest.raises(AssertionError, match="stale admission"):
+        bm.allocate(stale)
+    bm.allocate(bm.admission(second))
 
 
 def test_forced_prompt_tokens_after_a_compressed_prefix_count_as_kept():

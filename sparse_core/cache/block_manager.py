@@ -16,7 +16,8 @@ from sparse_core.sequence import Sequence
 class Admission:
     """How a waiting sequence would be admitted now (`BlockManager.admission`): what the
     scheduler reads to choose its first chunk, then hands to `BlockManager.allocate`. It holds
-    while the pool does not change, i.e. within one scheduling decision."""
+    while the pool does not change, i.e. within one scheduling decision; `allocate` refuses one
+    made before the pool last changed (`BlockPool.version`)."""
 
     seq: Sequence
     chunked: bool  # its prefill runs in chunks
@@ -25,6 +26,7 @@ class Admission:
     new_blocks: int  # blocks it allocates, in every group together
     caches: bool  # whether the prefill caches (see BlockManager)
     fits: bool  # whether the pool has room for it now
+    pool_version: int  # BlockPool.version it was made at
 
 
 def _tail_first(tables: list[list[int]]) -> list[int]:
@@ -120,11 +122,16 @@ class BlockManager:
             num_cached = len(cached[0]) * self.block_size
             new = self._new_blocks(seq, chunked, num_cached)
             if self._fits(cached, new, caches=True):
-                return Admission(seq, chunked, cached, num_cached, new, caches=True, fits=True)
+                return Admission(
+                    seq, chunked, cached, num_cached, new, caches=True, fits=True,
+                    pool_version=self.pool.version,
+                )  # fmt: skip
         none: list[list[int]] = [[] for _ in self.groups]
         new = self._new_blocks(seq, chunked, None)
         fits = self._fits(none, new, caches=False)
-        return Admission(seq, chunked, none, 0, new, caches=False, fits=fits)
+        return Admission(
+            seq, chunked, none, 0, new, caches=False, fits=fits, pool_version=self.pool.version
+        )
 
     def _fits(self, cached: list[list[int]], new: int, caches: bool) -> bool:
         """Room for `new` blocks, beside the cached ones the admission takes out of the cache
@@ -142,6 +149,7 @@ class BlockManager:
         since the pool last changed, that fits); returns the tokens found in the cache, where
         its prefill starts (`Sequence.start_prefill`)."""
         assert admission.fits, "allocating an admission that does not fit"
+        assert admission.pool_version == self.pool.version, "allocating a stale admission"
         pool, seq, chunked = self.pool, admission.seq, admission.chunked
         pool.tick()
         seq.caches_prefill = admission.caches

@@ -62,6 +62,8 @@ class BlockPool:
         self._clock = 0
         self._idle_since: dict[int, int] = {}
         self._reuse_ticks: float | None = None
+        # Bumped by every change: what was decided on the pool holds while it stays the same.
+        self.version = 0
 
     @property
     def num_free(self) -> int:
@@ -81,6 +83,7 @@ class BlockPool:
 
     def tick(self) -> None:
         """One admission: the clock cached blocks age by."""
+        self.version += 1
         self._clock += 1
 
     def _expired(self, block: int) -> bool:
@@ -112,6 +115,7 @@ class BlockPool:
 
     def allocate(self, count: int, group: int) -> list[int]:
         """`count` blocks for KV group `group`."""
+        self.version += 1
         if count > self.num_free:
             raise RuntimeError(f"pool has {self.num_free} free blocks, {count} requested")
         blocks = []
@@ -140,6 +144,7 @@ class BlockPool:
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; a block no sequence holds goes back to the cache
         if it has a hash (as the most recently used), else to the free list."""
+        self.version += 1
         for block in blocks:
             refs = self._refs.get(block)
             if refs is None:
@@ -175,6 +180,7 @@ class BlockPool:
         """Reference blocks found by `cached_prefix` (a cached one becomes used again); each is
         proven from now on. A hit on cached blocks adds how long they were idle to the average
         (once per hit, however many blocks it found)."""
+        self.version += 1
         idle: list[int] = []
         for block in blocks:
             self._found.add(block)
@@ -194,6 +200,7 @@ class BlockPool:
     def register(self, blocks: list[int], hashes: list[BlockHash], group: int) -> None:
         """Make KV group `group`'s used blocks findable by their prefix hashes (a hash the
         group has a block for already keeps that block; a block keeps its first hash)."""
+        self.version += 1
         for block, block_hash in zip(blocks, hashes, strict=False):
             key = (group, block_hash)
             if key in self._block_of or block in self._key_of:
@@ -203,6 +210,7 @@ class BlockPool:
 
     def clear_cache(self) -> None:
         """Every cached block back to the free list, every hash forgotten (no block in use)."""
+        self.version += 1
         assert not self._refs, "clearing the cache while blocks are in use"
         for cached in (self._unproven, self._proven):
             self._free.extend(cached)
