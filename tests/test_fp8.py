@@ -18,6 +18,7 @@ from sparse_core.kernels import REFERENCE_OPS
 from sparse_core.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
+    FP8Rows,
     fp8_linear_reference,
     quantize_rows,
     supports_fp8,
@@ -167,7 +168,14 @@ def test_fp8_layers_take_activations_quantized_by_the_fused_kernels(preset, rows
     (qkv, res), (want_qkv, want_res) = (layer.attention_input(x, residual) for layer in layers)
     assert rel_err(qkv, want_qkv) < 2e-2 and torch.equal(res, want_res)
     (out, res), (want_out, want_res) = (layer.after_attention(attn_out, x) for layer in layers)
-    assert rel_err(out, want_out) < 2e-2 and torch.equal(res, want_res)
+    # Gemma's sandwich norm of the attention output runs before the residual add, in Triton on
+    # one side and torch on the other: equal up to their rounding, not to the bit.
+    assert rel_err(out, want_out) < 2e-2 and rel_err(res, want_res) < 1e-2
+    # The fused route was taken: the norms hand their projections FP8 rows.
+    layer = layers[0]
+    assert isinstance(layer.input_layernorm(x, residual, True)[0], FP8Rows)
+    mlp_norm = layer.pre_feedforward_layernorm if layer.sandwich else layer.post_attention_layernorm
+    assert layer.mlp.gate_up_proj.is_fp8 and isinstance(mlp_norm(x, residual, True)[0], FP8Rows)
 
 
 PROMPTS = [
