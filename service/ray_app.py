@@ -54,17 +54,22 @@ if TYPE_CHECKING:
     from sparse_core.config import EngineConfig, SparsityConfig
 
 
+# Serve's request router for the engine deployments unless request_router_class names another.
+DEFAULT_REQUEST_ROUTER = "service.router:KVCapacityRouter"
+
+
 def _check_router_class(path: str) -> None:
-    """A clear error, at build time, for a request_router_class that Serve could not use."""
-    module, _, name = path.partition(":")
+    """A clear error, at build time, for a request_router_class that Serve could not use: an
+    import path, "module:Class" or "module.Class" as Serve takes it."""
+    module, _, name = path.partition(":") if ":" in path else path.rpartition(".")
     try:
-        router = getattr(importlib.import_module(module), name) if name else None
+        router = getattr(importlib.import_module(module), name) if module and name else None
     except (ImportError, AttributeError) as e:
         raise ValueError(f"request_router_class {path!r} cannot be imported: {e}") from e
     if not (isinstance(router, type) and issubclass(router, RequestRouter)):
         raise ValueError(
             f"request_router_class {path!r} must name a ray.serve.request_router.RequestRouter "
-            "subclass as 'module:Class'"
+            "subclass, as 'module:Class' or 'module.Class'"
         )
 
 
@@ -107,7 +112,7 @@ class RayAppConfig:
     # Serve's request router for the engine deployments, as an import path (Serve's
     # RequestRouterConfig.request_router_class): ours by default; another router, such as Ray
     # Serve LLM's PrefixCacheAffinityRouter, in its place (docs/serving.md, "Routing").
-    request_router_class: str = "service.router:KVCapacityRouter"
+    request_router_class: str = DEFAULT_REQUEST_ROUTER
     ingress_replicas: int = 1
     # A replica being stopped (scaled down, or its pod terminated) waits this long for its
     # requests before it is killed: below Kubernetes' 30 s grace period (the chart checks).

@@ -22,17 +22,13 @@ import yaml
 from sparse_core.engine_args import SETTINGS, Setting
 from tests.config_samples import Configs, sample, value_of, with_companions
 from tests.deploy.helpers import CHART, ROOT, render, run_helm, set_args
+from tests.service.servers import PREFIX_CACHE_AFFINITY_ROUTER
 
 K8S_VERSION = "1.33.0"
 # KubeRay's RayService CRD (schemas/SOURCE says which commit), gzipped.
 CRD = Path(__file__).resolve().parent / "schemas" / "ray.io_rayservices.yaml.gz"
 CUSTOM_KINDS = {"RayService", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
 
-# Ray Serve LLM's prefix-aware router, set in place of ours (serve.requestRouterClass).
-ROUTER_IN_ITS_PLACE = (
-    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
-    ":PrefixCacheAffinityRouter"
-)
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "tp2": {"tensorParallelSize": 2, "worker": {"resources": {"requests": {"cpu": "16"}}}},
@@ -66,7 +62,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "serve": {
             "apiKeySecret": {"name": "kvsparse-api-key"},
             "maxOngoingRequests": 48,
-            "requestRouterClass": ROUTER_IN_ITS_PLACE,
+            "requestRouterClass": PREFIX_CACHE_AFFINITY_ROUTER,
         },
         "pools": "snapkv,dense",
         "rayAuth": {"mode": "disabled"},
@@ -151,7 +147,7 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
     app = serve_app(rs)
     module, attr = app["import_path"].split(":")
     builder = getattr(importlib.import_module(module), attr)
-    from service.ray_app import RayAppConfig, build_app
+    from service.ray_app import DEFAULT_REQUEST_ROUTER, RayAppConfig, build_app
 
     assert builder is build_app
     cfg = RayAppConfig.from_dict(app["args"])
@@ -176,9 +172,8 @@ def test_serve_config_builds_our_app(rendered: tuple[str, list[dict[str, Any]]])
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
         assert "api_key" not in app["args"]
         assert cfg.pools == "snapkv,dense" and cfg.max_ongoing_requests == 48
-    router = (
-        ROUTER_IN_ITS_PLACE if name == "secrets-pvc-pools" else "service.router:KVCapacityRouter"
-    )
+    custom = name == "secrets-pvc-pools"
+    router = PREFIX_CACHE_AFFINITY_ROUTER if custom else DEFAULT_REQUEST_ROUTER
     assert cfg.request_router_class == router
     assert cfg.engine_kind == ("vllm" if name == "vllm-engine" else "native")
 

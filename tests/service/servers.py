@@ -25,6 +25,12 @@ from service.standalone import build_standalone_app
 from sparse_core import EngineConfig, SparsityConfig
 
 API_KEY = "test-key"
+# Ray Serve LLM's prefix-aware request router (its public path needs pyarrow), for
+# `request_router_class`.
+PREFIX_CACHE_AFFINITY_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router"
+    ":PrefixCacheAffinityRouter"
+)
 MODEL = "smollm2-135m-instruct"
 # Compresses prompts longer than 64 tokens in all but the first two layers.
 SPARSE = SparsityConfig(policy="snapkv", budget=64, window=16, sinks=4, full_layers=2)

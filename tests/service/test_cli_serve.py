@@ -107,6 +107,24 @@ def test_a_serve_config_file_gets_the_same_defaults():
 
 
 @pytest.mark.parametrize(
+    ("router", "message"),
+    [
+        ("nowhere.at_all:Router", "cannot be imported: No module named 'nowhere'"),
+        ("service.router:NoSuchRouter", "cannot be imported"),
+        ("service.router:PrefixOwners", "must name a ray.serve.request_router.RequestRouter"),
+        (":KVCapacityRouter", "as 'module:Class' or 'module.Class'"),
+    ],
+)
+def test_a_request_router_serve_cannot_use_is_refused_when_the_app_is_built(router, message):
+    from service.ray_app import DEFAULT_REQUEST_ROUTER, RayAppConfig
+
+    with pytest.raises(ValueError, match=message):
+        RayAppConfig(request_router_class=router)
+    for path in (DEFAULT_REQUEST_ROUTER, DEFAULT_REQUEST_ROUTER.replace(":", ".")):
+        assert RayAppConfig(request_router_class=path).request_router_class == path
+
+
+@pytest.mark.parametrize(
     ("flags", "env"),
     [(["--api-key", ""], {"KVSPARSE_API_KEY": "env-key"}), ([], {"KVSPARSE_API_KEY": " "})],
 )
