@@ -18,7 +18,9 @@ prefilled from its first new token there and from scratch anywhere else. The rou
 which replica it sent each prompt prefix to (`PrefixOwners`: a hash chain over the prompt in
 fixed chunks, least recently used forgotten first) and sends a prompt to the replica of its
 longest remembered prefix when that replica can admit it now; otherwise the KV ranking decides,
-and the prompt's prefix then belongs to the replica it went to.
+and the prompt's prefix then belongs to the replica it went to: the one Serve sent it to
+(`on_request_routed`), which is not the first of the ranking when that replica did not answer
+Serve's queue-length probe in time.
 """
 
 from __future__ import annotations
@@ -45,15 +47,18 @@ PREFIX_OWNERS_MAX = 200_000
 AFFINITY_MAX_QUEUED = 2
 
 
-def rank_key(stats: RoutingStats | None, ongoing: int | None) -> tuple[int, float, float]:
+def rank_key(
+    stats: RoutingStats | None, ongoing: int | None, sent: int = 0
+) -> tuple[int, float, float]:
     """Sort key, best first. Replicas that can admit one more request now come first, the one
     with the most projected free KV first; the others follow, least queued work first, then the
     most KV left once the queued requests and one more are admitted (negated: not above 0, it
-    has room for them)."""
-    if stats is None:  # not reported yet (just started): assume empty
-        return (0, -1.0, float(ongoing or 0))
+    has room for them). `ongoing`: Serve's count of the replica's requests; `sent`: the ones
+    this router sent it since its report (`SentSinceReport`), whichever says more arrived."""
+    if stats is None:  # not reported yet (just started): empty but for what was sent
+        return (0, -1.0, float(max(ongoing or 0, sent)))
     reported = stats.num_running + stats.num_waiting
-    arrived = max((ongoing if ongoing is not None else reported) - reported, 0)
+    arrived = max((ongoing if ongoing is not None else reported) - reported, sent, 0)
     free = stats.kv_free_fraction - arrived * stats.kv_per_request_fraction
     seats = stats.max_num_seqs - stats.num_running - arrived
     queued = stats.num_waiting + max(-seats, 0)
@@ -85,6 +90,34 @@ def prefix_keys(request: GenerateRequest) -> list[int]:
         key = hash((key, chunk if isinstance(chunk, str) else tuple(chunk)))
         keys.append(key)
     return keys
+
+
+class SentSinceReport:
+    """Requests this router sent each replica since the routing report of it that the router
+    last saw. Serve's queue-length count lags a burst: prompts routed at once all see the same
+    count, and would all go to the replica that ranked first (a burst of 6 chats' first turns
+    over 2 idle replicas went 4 and 2, and the 4th owner's next turns found its queue too long
+    to wait in); counted here, each choice ranks the next."""
+
+    def __init__(self) -> None:
+        self._report: dict[Any, dict | None] = {}
+        self._sent: dict[Any, int] = {}
+
+    def count(self, replica: Any, report: dict | None) -> int:
+        """Requests sent to `replica` since `report` (its routing stats as Serve holds them),
+        which starts the count again when it differs from the one seen before."""
+        if replica not in self._report or self._report[replica] != report:
+            self._report[replica] = None if report is None else dict(report)
+            self._sent[replica] = 0
+        return self._sent[replica]
+
+    def add(self, replica: Any) -> None:
+        self._sent[replica] += 1
+
+    def keep(self, replicas: set[Any]) -> None:
+        """Forget the replicas not among these (stopped)."""
+        for gone in set(self._report) - replicas:
+            del self._report[gone], self._sent[gone]
 
 
 class PrefixOwners:
@@ -133,6 +166,7 @@ def route(ranks: dict[Any, tuple], prefix: list[int], owners: PrefixOwners) -> l
 class KVCapacityRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self.prefix_owners = PrefixOwners()
+        self.sent = SentSinceReport()
 
     async def choose_replicas(
         self,
@@ -143,7 +177,24 @@ class KVCapacityRouter(FIFOMixin, RequestRouter):
         the first whose queue is not full (`max_ongoing_requests`)."""
         cache = self.replica_queue_len_cache
         replicas = {r.replica_id: r for r in candidate_replicas}
-        ranks = {i: rank_key(_stats(r), cache.get(i)) for i, r in replicas.items()}
-        request = pending_request.args[0] if pending_request and pending_request.args else None
-        prefix = prefix_keys(request) if isinstance(request, GenerateRequest) else []
-        return [[replicas[i]] for i in route(ranks, prefix, self.prefix_owners)]
+        self.sent.keep(set(replicas))
+        ranks = {
+            i: rank_key(_stats(r), cache.get(i), self.sent.count(i, r.routing_stats))
+            for i, r in replicas.items()
+        }
+        ranked = route(ranks, _prefix(pending_request), self.prefix_owners)
+        self.sent.add(ranked[0])  # Serve sends it there unless that replica's queue is full
+        return [[replicas[i]] for i in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: Any, result: Any
+    ) -> None:
+        """The prompt's prefix belongs to the replica Serve sent it to, which is not the first
+        in the ranking when that replica did not answer Serve's queue-length probe in time."""
+        self.prefix_owners.assign(_prefix(pending_request), replica_id)
+
+
+def _prefix(pending_request: PendingRequest | None) -> list[int]:
+    """The prompt's prefix keys, if the request is an engine's GenerateRequest."""
+    request = pending_request.args[0] if pending_request and pending_request.args else None
+    return prefix_keys(request) if isinstance(request, GenerateRequest) else []

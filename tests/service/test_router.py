@@ -9,6 +9,7 @@ from service.router import (
     PREFIX_CHUNK_CHARS,
     PREFIX_CHUNK_TOKENS,
     PrefixOwners,
+    SentSinceReport,
     prefix_keys,
     rank_key,
     route,
@@ -125,6 +126,30 @@ def test_a_full_owner_loses_the_prompt_and_the_prefix_moves_with_it():
     assert owners.longest([1, 2, 3], {"r0", "r1"}) == "r1"
     # A replica gone (not a candidate) owns nothing.
     assert owners.longest([1, 2, 3], {"r0"}) is None
+
+
+def test_a_burst_of_new_prompts_is_spread_by_the_routers_own_count_until_a_report():
+    """Six chats' first turns routed at once to two replicas that have not reported (Serve's
+    queue-length count still 0 for both) go 3 and 3, not all to the first; a report then
+    starts the count again, and a report that has not changed does not."""
+    sent, owners = SentSinceReport(), PrefixOwners()
+    reports: dict[str, dict | None] = {"r0": None, "r1": None}
+
+    def route_one(prompt: list[int]) -> str:
+        ranks = {r: rank_key(None, 0, sent.count(r, reports[r])) for r in reports}
+        chosen = route(ranks, prompt, owners)[0]
+        sent.add(chosen)
+        return chosen
+
+    chosen = [route_one([chat]) for chat in range(6)]
+    assert sorted(chosen.count(r) for r in reports) == [3, 3]
+    report = {"kv_free_fraction": 0.9}
+    reports["r0"] = report
+    assert sent.count("r0", report) == 0 and sent.count("r1", None) == 3
+    sent.add("r0")
+    assert sent.count("r0", dict(report)) == 1  # the same report again: still counting
+    sent.keep({"r1"})  # r0 stopped
+    assert sent.count("r0", report) == 0
 
 
 def test_prefix_owners_forget_the_least_recently_used_first():
