@@ -19,8 +19,8 @@ which replica it sent each prompt prefix to (`PrefixOwners`: a hash chain over t
 fixed chunks, least recently used forgotten first) and sends a prompt to the replica of its
 longest remembered prefix when that replica can admit it now; otherwise the KV ranking decides,
 and the prompt's prefix then belongs to the replica it went to: the one Serve sent it to
-(`on_request_routed`), which is not the first of the ranking when that replica did not answer
-Serve's queue-length probe in time.
+(`on_request_routed`), which need not be the first of the ranking: Serve goes on to the next
+rank when the first does not take the request (its queue-length probe unanswered in time).
 """
 
 from __future__ import annotations
@@ -189,8 +189,8 @@ class KVCapacityRouter(FIFOMixin, RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: Any, result: Any
     ) -> None:
-        """The prompt's prefix belongs to the replica Serve sent it to, which is not the first
-        in the ranking when that replica did not answer Serve's queue-length probe in time."""
+        """The prompt's prefix belongs to the replica Serve sent it to, which need not be the
+        first of the ranking (module docstring)."""
         self.prefix_owners.assign(_prefix(pending_request), replica_id)
 
 
