@@ -33,12 +33,20 @@ def tiny_qwen3() -> torch.nn.Module:
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
         bos_token_id=1, eos_token_id=2, initializer_range=0.3,
     )  # fmt: skip
+    return random_model(transformers.Qwen3ForCausalLM, config, norm_weights=(0.5, 1.5))
+
+
+def random_model(
+    model_class: type, config: transformers.PretrainedConfig, norm_weights: tuple[float, float]
+) -> torch.nn.Module:
+    """`model_class(config)` with seed-0 random weights, in eval mode, and every norm's weight
+    drawn uniformly from `norm_weights`, so that a norm applied wrong changes the tokens."""
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                param.uniform_(*norm_weights)
     return model
 
 

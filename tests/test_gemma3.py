@@ -22,7 +22,7 @@ from sparse_core.models.llama import LlamaForCausalLM
 from sparse_core.models.loader import load_model_source
 from sparse_core.policy import SlidingLayers, plan_layers
 from sparse_core.vllm_plugin.hf_export import hf_config
-from tests.hf_checkpoints import save_checkpoint, save_fp8_dynamic
+from tests.hf_checkpoints import random_model, save_checkpoint, save_fp8_dynamic
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"] * 2
@@ -51,12 +51,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn
         },
         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.3,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(-0.5, 0.5)
+    model = random_model(transformers.Gemma3ForCausalLM, config, norm_weights=(-0.5, 0.5))
     return save_checkpoint(model, tmp_path_factory.mktemp("gemma3")), model
 
 
