@@ -53,7 +53,8 @@ def assert_same_fp8(got, want):
     assert mismatched < 1e-3, f"{mismatched:.2%} of the e4m3 values differ"
 
 
-FP8_SIZES = [(5, 48), (4, 3000)] + ([(300, 4096), (40, 14336)] if HAS_CUDA else [])
+# Rows of one pass and of two (act_and_mul_fp8; on a GPU two past 16,384 columns).
+FP8_SIZES = [(5, 48), (4, 3000)] + ([(300, 4096), (40, 14336), (3, 20000)] if HAS_CUDA else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

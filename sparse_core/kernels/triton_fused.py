@@ -23,6 +23,13 @@ from sparse_core.kernels.reference import check_activation
 from sparse_core.kernels.triton_fp8 import row_fp8_scale, to_fp8
 from sparse_core.kernels.triton_kernels import early_launch
 
+# act_and_mul_fp8 computes a row of up to this many columns once, in one block of 16 warps (32
+# values a thread), and a wider row twice (a pass for its scale, then the values again, which
+# reads the input twice). Under the interpreter (CPU tests) rows past 64 columns take two
+# passes, so that the tests' widths cover both forms.
+ONE_PASS_COLUMNS = 16384
+INTERPRETER_ONE_PASS_COLUMNS = 64
+
 if triton.knobs.runtime.interpret:
     from sparse_core.kernels.triton_interpreter import apply_interpreter_fixes
 
@@ -136,26 +143,35 @@ def _act_and_mul_kernel(
 def _act_and_mul_fp8_kernel(
     x_ptr, out_ptr, scale_ptr, stride_x, stride_o, n_cols,
     GELU: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    ONE_PASS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    # One program per row: a pass for the row's largest magnitude, then one that computes the
-    # same values again (their inputs now in L2) and stores them in e4m3.
+    # One program per row. A row that fits one block is computed once and held while its
+    # largest magnitude is found; a wider one takes a pass for its largest magnitude, then one
+    # that computes the same values again (their inputs now in L2), reading them twice.
     if PDL:
         gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offsets
-        y = _act_times_up(x_ptr, stride_x, row, cols, cols < n_cols, n_cols, GELU)
-        amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-    scale = row_fp8_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, n_cols, BLOCK):
-        cols = start + offsets
-        mask = cols < n_cols
-        y = _act_times_up(x_ptr, stride_x, row, cols, mask, n_cols, GELU)
-        tl.store(out_ptr + row * stride_o + cols, to_fp8(y.to(tl.float32), scale, FP8_MAX), mask)
+    if ONE_PASS:
+        mask = offsets < n_cols
+        y = _act_times_up(x_ptr, stride_x, row, offsets, mask, n_cols, GELU).to(tl.float32)
+        scale = row_fp8_scale(tl.max(tl.abs(y), 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * stride_o + offsets, to_fp8(y, scale, FP8_MAX), mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            y = _act_times_up(x_ptr, stride_x, row, cols, cols < n_cols, n_cols, GELU)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        scale = row_fp8_scale(tl.max(amax, 0), FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + offsets
+            mask = cols < n_cols
+            y = _act_times_up(x_ptr, stride_x, row, cols, mask, n_cols, GELU)
+            out = to_fp8(y.to(tl.float32), scale, FP8_MAX)
+            tl.store(out_ptr + row * stride_o + cols, out, mask)
 
 
 def act_and_mul(x: torch.Tensor, activation: str = "silu") -> torch.Tensor:
@@ -181,10 +197,13 @@ def act_and_mul_fp8(x: torch.Tensor, activation: str = "silu") -> FP8Rows:
     out = torch.empty(rows, half, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows:
+        block = triton.next_power_of_2(half)
+        one_pass = block <= (ONE_PASS_COLUMNS if x.is_cuda else INTERPRETER_ONE_PASS_COLUMNS)
         launch(
             _act_and_mul_fp8_kernel, (rows,),
             x, out, scale, x.stride(0), out.stride(0), half,
             GELU=activation == "gelu_pytorch_tanh", FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-            BLOCK=min(2048, triton.next_power_of_2(half)), **early_launch(x),
+            BLOCK=block if one_pass else min(2048, block), ONE_PASS=one_pass,
+            **early_launch(x), **({"num_warps": 16} if x.is_cuda and one_pass else {}),
         )  # fmt: skip
     return FP8Rows(out, scale, x.dtype)
