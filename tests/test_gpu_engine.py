@@ -178,6 +178,20 @@ def test_building_the_model_takes_its_weights_not_a_float32_copy_first():
     torch.cuda.empty_cache()
 
 
+def test_shutdown_gives_the_gpu_memory_back():
+    """A shut-down engine holds no GPU memory, though the LLM object is still referenced (as
+    `llm` is after its `with` block): a second engine in the same process sizes its KV cache
+    from what the first one gave back."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    with LLM("dummy:smollm2-135m", device="cuda", kv_cache_memory_gb=1.0) as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert torch.cuda.memory_allocated() - before > 2**30
+    assert llm.engine is not None
+    assert torch.cuda.memory_allocated() - before < 16 * 2**20
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-weights-and-kv"])
 def test_memory_limit_caps_the_whole_process(fp8: bool):
     """In a fresh process (as a user starts one): the engine sizes its KV cache so that the

@@ -175,9 +175,11 @@ class LLMEngine:
         self.block_manager.clear_prefix_cache()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any, and close the step log; the engine cannot
-        step afterwards."""
+        """Stop the tensor-parallel workers, if any, give the GPU memory back (weights, graphs,
+        KV cache) and close the step log; the engine cannot step afterwards."""
         self._finalizer()
+        if hasattr(self, "runner"):
+            self.runner.close()
         if self._step_log is not None:
             self._step_log.close()
 

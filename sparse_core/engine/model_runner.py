@@ -158,6 +158,16 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         """Drop the KV cache and the decode graphs that read it, back to the device (before
         allocating it again at another size)."""
+        self._free_kv_cache()
+
+    def close(self) -> None:
+        """Give this rank's device memory back once its engine is shut down: the weights, the
+        graphs and the KV cache (the other ranks' processes have ended by then)."""
+        self.prefill_graphs = None
+        self.model.to("meta")
+        self._free_kv_cache()
+
+    def _free_kv_cache(self) -> None:
         self.decode_graphs = None
         for attn in self.model.attention_layers:
             attn.k_cache = attn.v_cache = torch.empty(0)
