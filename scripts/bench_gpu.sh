@@ -198,8 +198,9 @@ serve_sweep() {
     return $status
 }
 
-# The loads users compare, against one server: 64 closed-loop clients of unique 4000/500
-# prompts (2 each), then 64 chats of 4 turns (a 2,000-token document and a 100-token question;
+# The loads users compare, against one server: closed-loop clients of unique 4000/500 prompts,
+# 64 of them (2 prompts each; unique20 and unique40, not in the default list: 20 and 40 clients
+# of 3 each), then 64 chats of 4 turns (a 2,000-token document and a 100-token question;
 # each later turn sends the conversation so far, the server's 200-token answer and 100 new
 # tokens) at 32 conversations at once (2 each) and 64. Each load draws its prompts from a seed
 # of its own, so that none finds another's prompts in a prefix cache. $WORKLOADS picks some
@@ -210,6 +211,10 @@ run_workloads() {
     for load in ${WORKLOADS:-unique64 chat32 chat64}; do
         case $load in
         unique64) set -- --seed 1 --concurrency 64 --requests-per-client 2 --input-len 4000 \
+            --output-len 500 ;;
+        unique20) set -- --seed 4 --concurrency 20 --requests-per-client 3 --input-len 4000 \
+            --output-len 500 ;;
+        unique40) set -- --seed 5 --concurrency 40 --requests-per-client 3 --input-len 4000 \
             --output-len 500 ;;
         chat32) set -- --seed 2 $chat --concurrency 32 --requests-per-client 2 ;;
         chat64) set -- --seed 3 $chat --concurrency 64 --requests-per-client 1 ;;
