@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -165,14 +166,34 @@ def run_in_child(engine: str, argv: list[str], in_process: bool) -> dict[str, An
         cmd = [sys.executable, "-m", "sparse_core.bench.vllm_plugin", *argv]
         watch = DeviceMemoryWatch() if nvml_available() else None
         with watch or contextlib.nullcontext():
-            proc = subprocess.run([*cmd, "--only", engine, "--json", out], check=False, env=env)
-        if proc.returncode != 0:
-            return {"engine": engine, "error": f"exited with status {proc.returncode}"}
+            returncode = run_process_group([*cmd, "--only", engine, "--json", out], env)
+        if returncode != 0:
+            return {"engine": engine, "error": f"exited with status {returncode}"}
         with open(out) as f:
             result = json.load(f)
     if watch is not None:
         result["gpu_memory_peak_gib"] = watch.report()["gpu_memory_peak_gib"]
     return result
+
+
+def run_process_group(cmd: list[str], env: dict[str, str] | None) -> int:
+    """Run `cmd` in a process group of its own and wait for it; if this process is stopped
+    meanwhile (Ctrl-C, or SIGTERM from `timeout`, which `main` turns into an exit), the whole
+    group goes with it: vLLM's engine core is a process of the child's, and left behind it
+    would hold its GPU memory."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    finally:
+        # Also after a normal exit: a process of the child's that outlived it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (`timeout`, `kill`) ends this process as an exception does, running cleanups."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def without_json(argv: list[str]) -> list[str]:
@@ -266,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f)
         return 0
+    exit_on_sigterm()
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:
