@@ -31,3 +31,7 @@ def test_throughput_benchmark_reports_every_policy_and_where_the_time_went(tmp_p
     # sparse layers).
     assert results[0]["kv_cache_gib"] == results[1]["kv_cache_gib"]
     assert results[1]["kv_blocks"] == 4 * results[0]["kv_blocks"]
+    # A sequence ends holding its 80 prompt tokens and the 5 fed after them in all 4 layers
+    # (dense), or in its whole layer and 32 + 5 in each of the 3 sparse ones.
+    dense, snapkv = (r["kv_bytes_per_seq_held"] for r in results)
+    assert dense > 0 and snapkv * 4 * 85 == dense * (85 + 3 * 37)

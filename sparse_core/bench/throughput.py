@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from sparse_core.bench.workload import bench_prompts, calibrated_shape, random_prompt
+from sparse_core.cache.retention import KVRetention
 from sparse_core.config import EngineConfig, SparsityConfig
 from sparse_core.engine.device import use_one_host_thread
 from sparse_core.engine.gpu_memory import (
@@ -30,6 +31,7 @@ from sparse_core.engine.gpu_memory import (
 from sparse_core.engine.llm_engine import LLMEngine
 from sparse_core.engine.step_log import StepRecord
 from sparse_core.engine_args import Default, add_config_args, config_values
+from sparse_core.outputs import RequestOutput
 from sparse_core.sampling_params import SamplingParams
 
 
@@ -51,6 +53,10 @@ class RunResult:
     prefix_cache_hit_rate: float
     kv_blocks: int  # the KV cache's blocks, shared by every layer group
     kv_cache_gib: float
+    # The KV a sequence holds when it finishes, the most it holds (the prompt's kept tokens and
+    # every token fed after it, or with decode eviction as many as its sparse layers keep), in
+    # every layer; the median over the run's sequences, counted in tokens (not blocks).
+    kv_bytes_per_seq_held: int
     # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
     # included) plus what the process holds outside it at the end of the run (the CUDA context;
     # sparse_core/engine/gpu_memory.py): the figure to hold against --gpu-memory-limit-gb. Tensor
@@ -70,6 +76,14 @@ class RunResult:
     # outside the allocator at the end.
     gpu_memory_split_gib: dict[str, float] = field(default_factory=dict)
     decode_by_batch: list[dict] = field(default_factory=list)
+
+
+def held_kv_bytes(output: RequestOutput, retention: KVRetention) -> int:
+    """The KV cache a finished sequence held in all its layers (`kv_tokens_held`)."""
+    token_layers = sum(
+        len(g.layers) * output.kv_tokens_held[g.name] for g in retention.layer_plan.groups
+    )
+    return token_layers * retention.bytes_per_token_per_layer
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -198,6 +212,9 @@ def run_one(
         kv_cache_gib=round(
             engine.block_manager.pool.num_blocks * engine.retention.block_bytes / 2**30, 2
         ),
+        kv_bytes_per_seq_held=int(
+            statistics.median(held_kv_bytes(o, engine.retention) for o in finished)
+        ),
         peak_gpu_memory_gib=None if peak_memory is None else round(peak_memory / 2**30, 2),
         prefill_s_per_4k_tokens=round(
             4000 * prefill_s / max(1, sum(r.num_prefill_tokens for r in prefill)), 4
@@ -230,7 +247,8 @@ def run_one(
 def print_table(results: list[RunResult]) -> None:
     head = (
         f"{'run':<22}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>9}{'TTFT p99':>9}"
-        f"{'TPOT p50':>9}{'peak seqs':>10}{'KV GiB':>7}{'peak GiB':>9}{'prefill/4k':>11}"
+        f"{'TPOT p50':>9}{'peak seqs':>10}{'cached':>11}{'KV GiB':>7}{'KV MiB/seq':>11}"
+        f"{'peak GiB':>9}{'prefill/4k':>11}"
         f"{'s in prefill/decode/between steps':>36}{'launching prefill/decode':>26}"
     )
     print(head)
@@ -240,7 +258,8 @@ def print_table(results: list[RunResult]) -> None:
             f"{r.label:<22}{r.output_tok_s:>10.0f}{r.total_tok_s:>12.0f}{r.ttft_p50_s:>9.2f}"
             f"{r.ttft_p99_s:>9.2f}{r.tpot_p50_s * 1e3:>8.1f}m{r.peak_running:>10}"
             f"{r.prefix_cache_hit_rate:>11.0%}"
-            f"{r.kv_cache_gib:>7.1f}{peak:>9}{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
+            f"{r.kv_cache_gib:>7.1f}{r.kv_bytes_per_seq_held / 2**20:>11.1f}{peak:>9}"
+            f"{r.prefill_s_per_4k_tokens * 1e3:>10.0f}m"
             f"{'/'.join(f'{t:.1f}' for t in r.time_split_s.values()):>36}"
             f"{'/'.join(f'{t:.1f}' for t in r.launch_s.values()):>26}"
         )
