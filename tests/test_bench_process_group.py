@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 # A child that starts a grandchild (as vLLM's engine core is started), writes its pid, sleeps.
 CHILD = textwrap.dedent("""
     import subprocess, sys, time
@@ -20,35 +22,41 @@ CHILD = textwrap.dedent("""
 # The benchmark's parent: SIGTERM handled as its main does, the child in its process group.
 PARENT = textwrap.dedent("""
     import sys
-    from sparse_core.bench.vllm_plugin import exit_on_sigterm, run_process_group
-    exit_on_sigterm()
+    from sparse_core.bench.vllm_plugin import exit_on_termination, run_process_group
+    exit_on_termination()
     run_process_group([sys.executable, "-c", sys.argv[1], sys.argv[2]], None)
 """)
 
 
 def alive(pid: int) -> bool:
+    """Running: a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def test_stopping_the_benchmark_stops_its_child_and_grandchild(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_stopping_the_benchmark_stops_its_child_and_grandchild(tmp_path, signum):
     pid_file = tmp_path / "grandchild.pid"
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, str(pid_file)])
-    deadline = time.monotonic() + 60
-    while not (pid_file.exists() and pid_file.read_text()):
-        assert time.monotonic() < deadline, "the grandchild never started"
-        assert parent.poll() is None, "the parent exited early"
-        time.sleep(0.05)
-    grandchild = int(pid_file.read_text())
-    assert alive(grandchild)
-    parent.send_signal(signal.SIGTERM)
-    assert parent.wait(timeout=30) == 128 + signal.SIGTERM
-    deadline = time.monotonic() + 10
-    while alive(grandchild):
-        assert time.monotonic() < deadline, "the grandchild outlived the stopped benchmark"
-        time.sleep(0.05)
+    grandchild = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline, "the grandchild never started"
+            assert parent.poll() is None, "the parent exited early"
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        assert alive(grandchild)
+        parent.send_signal(signum)
+        assert parent.wait(timeout=30) != 0
+        deadline = time.monotonic() + 10
+        while alive(grandchild):
+            assert time.monotonic() < deadline, "the grandchild outlived the stopped benchmark"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        if grandchild is not None and alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)

@@ -199,3 +199,13 @@ def test_a_rejected_batch_runs_nothing(tiny):
         tiny.generate([[1, 2, 3], []])
     assert not tiny.engine.has_unfinished
     tiny.engine.check_invariants()
+
+
+def test_an_engine_shut_down_refuses_requests_clearly():
+    """After shutdown (its GPU memory given back) a request is refused with a message, not a
+    failure deep in the model; shutting down again is harmless."""
+    with LLM("dummy:tiny", max_model_len=128, kv_cache_memory_gb=0.001) as llm:
+        assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids
+    with pytest.raises(RuntimeError, match="the engine was shut down"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    llm.shutdown()

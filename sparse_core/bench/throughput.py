@@ -53,9 +53,10 @@ class RunResult:
     prefix_cache_hit_rate: float
     kv_blocks: int  # the KV cache's blocks, shared by every layer group
     kv_cache_gib: float
-    # The KV a sequence holds when it finishes, the most it holds (the prompt's kept tokens and
-    # every token fed after it, or with decode eviction as many as its sparse layers keep), in
-    # every layer; the median over the run's sequences, counted in tokens (not blocks).
+    # The KV a sequence holds in all its layers when it finishes (the prompt's kept tokens and
+    # every token fed after them, or with decode eviction what its sparse layers keep): the most
+    # it holds after its prefill (a chunked prefill holds more while it runs). The median over
+    # the run's sequences, counted in tokens (not blocks); tensor parallel: one rank's.
     kv_bytes_per_seq_held: int
     # The GPU memory at this process's peak: torch's allocator at its peak (CUDA graph pools
     # included) plus what the process holds outside it at the end of the run (the CUDA context;

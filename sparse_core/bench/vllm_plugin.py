@@ -46,6 +46,8 @@ from sparse_core.config import SparsityConfig
 from sparse_core.models.loader import load_model_source
 
 ENGINES = ("stock", "plugin")
+# Seconds an engine's processes have to stop once asked (SIGTERM) before they are killed.
+STOP_GRACE_S = 5
 # Metrics are read every this many engine steps: often enough to see the most sequences running
 # (it changes as requests finish), rarely enough not to slow the steps measured. The first read
 # comes after the first prompts' gap blocks are freed (the step after their prefill); a run of
@@ -178,22 +180,28 @@ def run_in_child(engine: str, argv: list[str], in_process: bool) -> dict[str, An
 
 def run_process_group(cmd: list[str], env: dict[str, str] | None) -> int:
     """Run `cmd` in a process group of its own and wait for it; if this process is stopped
-    meanwhile (Ctrl-C, or SIGTERM from `timeout`, which `main` turns into an exit), the whole
+    meanwhile (Ctrl-C, or a signal that `exit_on_termination` turns into an exit), the whole
     group goes with it: vLLM's engine core is a process of the child's, and left behind it
-    would hold its GPU memory."""
+    would hold its GPU memory. The group is asked to stop (SIGTERM) and killed
+    `STOP_GRACE_S` later, also after a normal exit (a process of the child's that outlived it)."""
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         return proc.wait()
     finally:
-        # Also after a normal exit: a process of the child's that outlived it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_GRACE_S)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
-def exit_on_sigterm() -> None:
-    """SIGTERM (`timeout`, `kill`) ends this process as an exception does, running cleanups."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+def exit_on_termination() -> None:
+    """SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal closed) end this process as an
+    exception does, running cleanups."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: sys.exit(128 + signum))
 
 
 def without_json(argv: list[str]) -> list[str]:
@@ -287,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f)
         return 0
-    exit_on_sigterm()
+    exit_on_termination()
     engines = [e for e in args.engines.split(",") if e]
     unknown = sorted(set(engines) - set(ENGINES))
     if unknown or not engines:

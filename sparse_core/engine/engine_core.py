@@ -125,6 +125,10 @@ class ThreadEngineCore:
     def shutdown(self) -> None:
         self.send(("stop", None))
         self._thread.join(timeout=SHUTDOWN_TIMEOUT_S)
+        if self._thread.is_alive():
+            # Its memory goes with the process: freed under a running step, the step would fail.
+            logger.warning("the engine loop did not stop in %d s; left running", SHUTDOWN_TIMEOUT_S)
+            return
         self.engine.shutdown()
 
 

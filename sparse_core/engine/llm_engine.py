@@ -204,7 +204,12 @@ class LLMEngine:
         """The requests added and not finished yet, by request id."""
         return self.output_processor.sequences
 
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("the engine was shut down; start a new one")
+
     def add_sequence(self, seq: Sequence) -> None:
+        self._check_running()
         self.output_processor.add(seq)
         self.scheduler.add(seq)
 
@@ -233,6 +238,7 @@ class LLMEngine:
         With async scheduling, this step may already have been launched by the previous call,
         and this call may launch the next one before it reads this one's tokens.
         """
+        self._check_running()
         flight, self._ahead = self._ahead, None
         if flight is not None and all(seq.is_finished for seq in flight.step.seqs):
             flight = None  # every row was aborted or finished by the step before
