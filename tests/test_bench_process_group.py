@@ -19,10 +19,13 @@ CHILD = textwrap.dedent("""
     open(sys.argv[1], "w").write(str(grandchild.pid))
     time.sleep(120)
 """)
-# The benchmark's parent: SIGTERM handled as its main does, the child in its process group.
+# The benchmark's parent: SIGTERM and SIGHUP handled as its main does, the child in its
+# process group; Ctrl-C raising KeyboardInterrupt, as in a foreground shell (a shell that runs
+# the tests in the background has its children ignore SIGINT).
 PARENT = textwrap.dedent("""
-    import sys
+    import signal, sys
     from sparse_core.bench.vllm_plugin import exit_on_termination, run_process_group
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     exit_on_termination()
     run_process_group([sys.executable, "-c", sys.argv[1], sys.argv[2]], None)
 """)
