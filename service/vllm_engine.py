@@ -129,7 +129,7 @@ class VllmAsyncLLM:
 
         n = len(prompt_ids)
         kept = {g.name: g.kept_tokens(n) for g in self.plan.groups}
-        ratio = self.num_layers * n / sum(len(g.layers) * kept[g.name] for g in self.plan.groups)
+        ratio = self.num_layers * n / self.plan.token_layers(kept)
         finished = False
         # A dummy model's text: vLLM has no tokenizer for it.
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.dummy else None

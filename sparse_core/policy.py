@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,10 @@ class LayerPlan:
     @property
     def compresses(self) -> bool:
         return not all(g.whole for g in self.groups)
+
+    def token_layers(self, tokens: Mapping[str, int]) -> int:
+        """Token-layers held when every group's layers hold `tokens[group name]` tokens each."""
+        return sum(len(g.layers) * tokens[g.name] for g in self.groups)
 
     def at_length(self, num_prompt_tokens: int) -> LayerPlan:
         """The plan with every ratio fixed into the budget it gives a prompt of this length."""

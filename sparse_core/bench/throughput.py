@@ -81,9 +81,7 @@ class RunResult:
 
 def held_kv_bytes(output: RequestOutput, retention: KVRetention) -> int:
     """The KV cache a finished sequence held in all its layers (`kv_tokens_held`)."""
-    token_layers = sum(
-        len(g.layers) * output.kv_tokens_held[g.name] for g in retention.layer_plan.groups
-    )
+    token_layers = retention.layer_plan.token_layers(output.kv_tokens_held)
     return token_layers * retention.bytes_per_token_per_layer
 
 
