@@ -209,3 +209,19 @@ def test_an_engine_shut_down_refuses_requests_clearly():
     with pytest.raises(RuntimeError, match="the engine was shut down"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     llm.shutdown()
+
+
+def test_a_shut_down_engine_holds_no_tensor_of_its_model():
+    """Shutdown moves every tensor of the model to the meta device, FP8 weight scales included
+    (on a GPU that is the memory given back), and drops the KV cache."""
+    with LLM("dummy:tiny", max_model_len=128, kv_cache_memory_gb=0.001, quantization="fp8") as llm:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+        model = llm.engine.runner.model
+        assert any(name.endswith("weight_scale") for name, _ in model.named_buffers())
+    held = [
+        name
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+        if tensor.device.type != "meta"
+    ]
+    assert not held, held
+    assert all(attn.k_cache.numel() == 0 for attn in model.attention_layers)

@@ -68,7 +68,9 @@ class QuantizableLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.weight_scale: torch.Tensor | None = None  # (out, 1) float32 once FP8
+        # (out, 1) float32 once FP8; a buffer, so that the model's `.to()` moves it with the
+        # weight (not saved: the loader fills it).
+        self.register_buffer("weight_scale", None, persistent=False)
         # Built under `quantize_at_load`: unquantized tensors are rounded to the model's dtype
         # and quantized per row of this rank as they load (as if the model had been loaded in
         # its dtype and quantized after).
