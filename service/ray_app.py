@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pydantic import TypeAdapter, ValidationError
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
@@ -127,7 +128,12 @@ class RayAppConfig:
             raise ValueError(
                 f"unknown kvsparse Serve argument(s) {unknown}; known: {sorted(known)}"
             )
-        return cls(**args)
+        # Checked and converted by their types: `helm --set` hands numbers over as strings
+        # (serve.extraArgs.num_gpus_per_replica=0.5 arrives as "0.5").
+        try:
+            return TypeAdapter(cls).validate_python(args)
+        except ValidationError as e:
+            raise ValueError(f"invalid kvsparse Serve argument(s): {e}") from None
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:

@@ -239,6 +239,23 @@ def test_defaults_serve_fp8_at_the_kv_caches_capacity_with_a_key(helm: str) -> N
     assert "KVSPARSE_API_KEY" not in json.dumps(open_docs)
 
 
+def test_engine_replicas_share_a_gpu_through_extra_args(helm: str) -> None:
+    """`--set serve.extraArgs.num_gpus_per_replica=0.5` (helm hands the number over as a string)
+    runs engine replicas on half a GPU each, two to a card; a value that is no number is refused
+    naming the argument."""
+    from service.ray_app import RayAppConfig, engine_options
+
+    extra = ("--set", "serve.extraArgs.num_gpus_per_replica=0.5")
+    (rs,) = by_kind(render(helm, {"engine": {"device": "cuda"}}, *extra), "RayService")
+    args = serve_app(rs)["args"]
+    assert args["num_gpus_per_replica"] == "0.5"
+    cfg = RayAppConfig.from_dict(args)
+    options = engine_options(cfg, cfg.engine_config())
+    assert options["ray_actor_options"]["num_gpus"] == 0.5
+    with pytest.raises(ValueError, match="num_gpus_per_replica"):
+        RayAppConfig.from_dict({**args, "num_gpus_per_replica": "half"})
+
+
 def test_values_schema_is_generated_from_the_config_fields() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "values_schema.py"), "--check"],
                           capture_output=True, text=True)  # fmt: skip
