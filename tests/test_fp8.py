@@ -119,7 +119,7 @@ def test_unknown_quantization_is_refused_by_name():
     not torch.cuda.is_available() or not supports_fp8(torch.device("cuda")),
     reason="needs a GPU with FP8 tensor cores",
 )
-@pytest.mark.parametrize("rows", [1, 20, 256, 257, 4096])
+@pytest.mark.parametrize("rows", [1, 20, 128, 129, 4096])
 def test_scaled_mm_matches_the_reference(rows):
     from sparse_core.kernels.triton_fp8 import fp8_linear_cuda
 
@@ -247,19 +247,3 @@ def test_few_rows_matmul_matches_the_reference(rows, in_features, scale_dtype):
     want = (x_fp8.float() * x_scale) @ (w_fp8.float() * w_scale.float()).t()
     assert rel_err(got.float(), want) < 5e-3  # one bf16 rounding
     assert out[:, :4].isnan().all() and out[:, 76:].isnan().all()
-
-
-def test_scale_product_applies_row_and_column_scales():
-    """The decode-size matmul's scaling kernel (compiled on a GPU, interpreted on CPU): one
-    rounding of acc * row scale * column scale, into a strided output, nothing else written."""
-    from tests.triton_setup import DEVICE, import_kernels
-
-    kernels = import_kernels("sparse_core.kernels.triton_fp8")
-    acc = torch.randn(7, 1500, device=DEVICE) * 300
-    row_scale = torch.rand(7, 1, device=DEVICE) + 1e-3
-    col_scale = (torch.rand(1500, 1, device=DEVICE) + 1e-3).to(torch.bfloat16)
-    out = torch.full((7, 1600), float("nan"), device=DEVICE, dtype=torch.bfloat16)
-    got = kernels.scale_product(acc, row_scale, col_scale, out[:, 50:1550])
-    want = (acc * (row_scale * col_scale.float().t())).to(torch.bfloat16)
-    assert torch.equal(got, want)
-    assert out[:, :50].isnan().all() and out[:, 1550:].isnan().all()

@@ -10,7 +10,7 @@
      and as a fraction of the measured device-copy bandwidth (the roofline), with and without
      split-K; with an FP8 cache also at every split count of a sweep (SPLIT_SWEEP);
    - FP8 linear layers (Llama-3-8B's four projections) at decode batch sizes, by each route of
-     `fp8_linear_cuda` (`_scaled_mm` with row-wise scales, unscaled then scaled, the few-rows
+     `fp8_linear_cuda` (`_scaled_mm` with row-wise scales and fast accumulation, the few-rows
      Triton matmul), as weight bytes read per second and as a fraction of the roofline.
 Kernel times are GPU time per call: the calls are captured in a CUDA graph and replayed (as the
 engine's decode step is), each on its own copy of the inputs until the copies exceed the L2
@@ -386,12 +386,8 @@ LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672
                  "down": (14336, 4096)}  # fmt: skip
 
 
-# The routes of `fp8_linear_cuda`, as its (few_rows_max, unscaled_max) for `rows` rows.
-FP8_LINEAR_ROUTES = {
-    "row_wise": lambda rows: (0, 0),
-    "unscaled": lambda rows: (0, rows),
-    "few_rows": lambda rows: (rows, rows),
-}
+# The routes of `fp8_linear_cuda`, as its few_rows_max for `rows` rows.
+FP8_LINEAR_ROUTES = {"row_wise": lambda rows: 0, "few_rows": lambda rows: rows}
 
 
 def bench_fp8_linear(rows: int, copy_gbs: float) -> list[dict[str, Any]]:
@@ -404,9 +400,9 @@ def bench_fp8_linear(rows: int, copy_gbs: float) -> list[dict[str, Any]]:
         out = torch.empty(rows, n, device=DEVICE, dtype=DTYPE)
         row = {"layer": name, "rows": rows, "in": k, "out": n}
         want = None
-        for route, caps in FP8_LINEAR_ROUTES.items():
+        for route, few_rows_max in FP8_LINEAR_ROUTES.items():
             calls = [
-                functools.partial(triton_fp8.fp8_linear_cuda, x, w, s, out, *caps(rows))
+                functools.partial(triton_fp8.fp8_linear_cuda, x, w, s, out, few_rows_max(rows))
                 for w, s in weights
             ]
             calls[0]()
@@ -445,7 +441,9 @@ def main() -> None:
         bench_decode_splits(b, c, FP8_DTYPE) for c in (4500, 1012) for b in SPLIT_SWEEP_BATCHES
     ]
     fp8_linear = [
-        r for rows in (1, 16, 49, 64, 128, 192, 256) for r in bench_fp8_linear(rows, copy_gbs)
+        r
+        for rows in (1, 16, 49, 64, 96, 128, 160, 192, 256)
+        for r in bench_fp8_linear(rows, copy_gbs)
     ]
 
     print(f"\ndevice copy bandwidth: {copy_gbs:.0f} GB/s")

@@ -6,19 +6,18 @@ One program per row: a pass for the row's largest magnitude, then a pass that sc
 stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
 thousand small launches with one per layer.
 
-The matmul takes one of three routes to the same result, by the number of rows (tokens): at each
-count, the route that was fastest on the H200 for a Llama-3-8B layer's four projections
+The matmul takes one of two routes to the same result, by the number of rows (tokens): at each
+count, the route that was fastest on the H100 for a Llama-3-8B layer's four projections
 together (docs/benchmarks.md, "Kernels and the decode roofline"):
-- prompt-sized inputs: `torch._scaled_mm` with row-wise scales (one per token, one per output
-  channel);
-- decode batches: cuBLASLt's FP8 matmul with one scale per tensor is much faster than its
-  row-wise form there, so the product runs unscaled into float32 and a second small kernel
-  applies both scales, rounding once to the output dtype;
-- the fewest rows: a Triton kernel streams the weights, each program owning a slice of output
-  channels and all the rows, so that every weight byte is read once. The weight tile is the
-  tensor cores' wide side and the rows the narrow one (the operands swapped, as CUTLASS does
-  for small batches), and both scales are applied to the float32 accumulator before its one
-  rounding.
+- up to FEW_ROWS_MAX rows (decode steps): a Triton kernel streams the weights, each program
+  owning a slice of output channels and all the rows, so that every weight byte is read once.
+  The weight tile is the tensor cores' wide side and the rows the narrow one (the operands
+  swapped, as CUTLASS does for small batches), and both scales are applied to the float32
+  accumulator before its one rounding;
+- more rows (prompts): `torch._scaled_mm` (cuBLASLt) with row-wise scales (one per token, one
+  per output channel) and fast accumulation, written straight into the caller's rows. Fast
+  accumulation keeps the tensor cores' own accumulator instead of promoting partial sums to
+  float32 every few steps, as vLLM's CUTLASS FP8 kernels on Hopper do.
 """
 
 from __future__ import annotations
@@ -31,11 +30,9 @@ from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, FP8Rows
 from sparse_core.kernels.gpu_info import has_large_shared_memory
 from sparse_core.kernels.launcher import launch
 
-# Inputs of at most FEW_ROWS_MAX rows take the weight-streaming Triton matmul, up to
-# UNSCALED_MAX_ROWS cuBLASLt's unscaled one, more its row-wise scaled one (measured on the H200:
-# docs/benchmarks.md, "Kernels and the decode roofline").
-FEW_ROWS_MAX = 64
-UNSCALED_MAX_ROWS = 256
+# Inputs of at most FEW_ROWS_MAX rows take the weight-streaming Triton matmul, more cuBLASLt's
+# row-wise scaled one (docs/benchmarks.md, "Kernels and the decode roofline").
+FEW_ROWS_MAX = 128
 
 if triton.knobs.runtime.interpret:
     from .triton_interpreter import apply_interpreter_fixes
@@ -187,82 +184,32 @@ def few_rows_matmul(
     return out
 
 
-@triton.jit
-def _scale_product_kernel(
-    acc_ptr, row_scale_ptr, col_scale_ptr, out_ptr, num_cols, stride_acc, stride_out,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < num_cols
-    acc = tl.load(acc_ptr + row * stride_acc + cols, mask=mask, other=0.0)
-    scale = tl.load(row_scale_ptr + row) * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, acc * scale, mask=mask)
-
-
-def scale_product(
-    acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    """out = acc * row_scale * col_scale^T (acc (rows, cols) float32, row_scale (rows, 1),
-    col_scale (cols, 1)), rounded once to out's dtype; returns out."""
-    rows, cols = acc.shape
-    assert acc.stride(1) == 1 and out.stride(1) == 1, "columns must be contiguous"
-    if rows:
-        block = 1024
-        _scale_product_kernel[(rows, triton.cdiv(cols, block))](
-            acc, row_scale, col_scale, out, cols, acc.stride(0), out.stride(0),
-            BLOCK=block, num_warps=4,
-        )  # fmt: skip
-    return out
-
-
-_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
-
-
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    """A float32 scale of 1 on `device`, made on first use and kept."""
-    if device not in _UNIT_SCALES:
-        _UNIT_SCALES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return _UNIT_SCALES[device]
-
-
 def fp8_linear_cuda(
     x: torch.Tensor | FP8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out: torch.Tensor | None = None,
     few_rows_max: int = FEW_ROWS_MAX,
-    unscaled_max: int = UNSCALED_MAX_ROWS,
 ) -> torch.Tensor:
     """sparse_core/kernels/fp8.py's `fp8_linear_reference` on FP8 tensor cores, the activations
     quantized by one Triton kernel unless they come quantized; `out` (rows, out features)
     receives it if given. Inputs of at most `few_rows_max` rows take the weight-streaming Triton
-    matmul, up to `unscaled_max` the unscaled matmul and the scaling kernel, more the row-wise
-    scaled matmul."""
+    matmul, more the row-wise scaled one."""
     if isinstance(x, FP8Rows):
         (x_fp8, x_scale), dtype, shape = (x.values, x.scale), x.dtype, x.values.shape
     else:
         x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         dtype, shape = x.dtype, x.shape
     num_rows, out_features = x_fp8.shape[0], weight.shape[0]
-    if num_rows > unscaled_max:
-        y = torch._scaled_mm(
-            x_fp8,
-            weight.t(),  # (in, out), column-major as cuBLASLt wants the second operand
-            scale_a=x_scale,
-            scale_b=weight_scale.view(1, -1),
-            out_dtype=dtype,
-        )
-        return out.copy_(y) if out is not None else y.reshape(*shape[:-1], out_features)
-    target = out
-    if target is None:
-        target = torch.empty(num_rows, out_features, dtype=dtype, device=x_fp8.device)
     if num_rows <= few_rows_max:
+        target = out
+        if target is None:
+            target = torch.empty(num_rows, out_features, dtype=dtype, device=x_fp8.device)
         few_rows_matmul(x_fp8, x_scale, weight, weight_scale, target)
-    else:
-        unit = _unit_scale(x_fp8.device)
-        acc = torch._scaled_mm(
-            x_fp8, weight.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32
-        )
-        scale_product(acc, x_scale, weight_scale, target)
-    return target if out is not None else target.reshape(*shape[:-1], out_features)
+        return target if out is not None else target.reshape(*shape[:-1], out_features)
+    scales = dict(scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
+    # weight.t(): (in, out), column-major as cuBLASLt wants the second operand.
+    if out is not None:
+        return torch._scaled_mm(x_fp8, weight.t(), **scales, use_fast_accum=True, out=out)
+    y = torch._scaled_mm(x_fp8, weight.t(), **scales, use_fast_accum=True)
+    return y.reshape(*shape[:-1], out_features)
