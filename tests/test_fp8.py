@@ -119,7 +119,7 @@ def test_unknown_quantization_is_refused_by_name():
     not torch.cuda.is_available() or not supports_fp8(torch.device("cuda")),
     reason="needs a GPU with FP8 tensor cores",
 )
-@pytest.mark.parametrize("rows", [1, 20, 128, 129, 4096])
+@pytest.mark.parametrize("rows", [1, 20, 256, 257, 4096])
 def test_scaled_mm_matches_the_reference(rows):
     from sparse_core.kernels.triton_fp8 import fp8_linear_cuda
 

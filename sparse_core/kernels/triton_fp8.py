@@ -6,10 +6,10 @@ One program per row: a pass for the row's largest magnitude, then a pass that sc
 stores e4m3. Every FP8 linear layer runs it on its input, so in a decode step it replaces about a
 thousand small launches with one per layer.
 
-The matmul takes one of two routes to the same result, by the number of rows (tokens): at each
-count, the route that was fastest on the H100 for a Llama-3-8B layer's four projections
-together (docs/benchmarks.md, "Kernels and the decode roofline"):
-- up to FEW_ROWS_MAX rows (decode steps): a Triton kernel streams the weights, each program
+The matmul takes one of two routes to the same result, by the number of rows (tokens) and the
+layer's width: the route that was fastest for each of a Llama-3-8B layer's projections, the same
+on the H100 and the H200 (docs/benchmarks.md, "Kernels and the decode roofline"):
+- up to `few_rows_limit` rows (decode steps): a Triton kernel streams the weights, each program
   owning a slice of output channels and all the rows, so that every weight byte is read once.
   The weight tile is the tensor cores' wide side and the rows the narrow one (the operands
   swapped, as CUTLASS does for small batches), and both scales are applied to the float32
@@ -29,10 +29,6 @@ import triton.language as tl
 from sparse_core.kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE, FP8Rows
 from sparse_core.kernels.gpu_info import has_large_shared_memory
 from sparse_core.kernels.launcher import launch
-
-# Inputs of at most FEW_ROWS_MAX rows take the weight-streaming Triton matmul, more cuBLASLt's
-# row-wise scaled one (docs/benchmarks.md, "Kernels and the decode roofline").
-FEW_ROWS_MAX = 128
 
 if triton.knobs.runtime.interpret:
     from .triton_interpreter import apply_interpreter_fixes
@@ -184,23 +180,37 @@ def few_rows_matmul(
     return out
 
 
+def few_rows_limit(out_features: int) -> int:
+    """The most rows for which the few-rows matmul beats cuBLASLt's row-wise one in a layer of
+    `out_features` channels: the wider the layer, the sooner cuBLASLt's tiles cover the SMs.
+    The same on the H100 and the H200 at Llama-3-8B's projections (docs/benchmarks.md, "FP8
+    linear layers at decode batch sizes"): o and down (4,096 channels) up to 256 rows, qkv
+    (6,144) up to 128, gate_up (28,672) up to 64."""
+    if out_features >= 16384:
+        return 64
+    return 128 if out_features > 4096 else 256
+
+
 def fp8_linear_cuda(
     x: torch.Tensor | FP8Rows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     out: torch.Tensor | None = None,
-    few_rows_max: int = FEW_ROWS_MAX,
+    few_rows_max: int | None = None,
 ) -> torch.Tensor:
     """sparse_core/kernels/fp8.py's `fp8_linear_reference` on FP8 tensor cores, the activations
     quantized by one Triton kernel unless they come quantized; `out` (rows, out features)
-    receives it if given. Inputs of at most `few_rows_max` rows take the weight-streaming Triton
-    matmul, more the row-wise scaled one."""
+    receives it if given. Inputs of at most `few_rows_max` rows (default:
+    `few_rows_limit` of the layer's width) take the weight-streaming Triton matmul, more the
+    row-wise scaled one."""
     if isinstance(x, FP8Rows):
         (x_fp8, x_scale), dtype, shape = (x.values, x.scale), x.dtype, x.values.shape
     else:
         x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         dtype, shape = x.dtype, x.shape
     num_rows, out_features = x_fp8.shape[0], weight.shape[0]
+    if few_rows_max is None:
+        few_rows_max = few_rows_limit(out_features)
     if num_rows <= few_rows_max:
         target = out
         if target is None:
