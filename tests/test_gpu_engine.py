@@ -154,6 +154,31 @@ def test_launching_a_prefill_step_does_not_wait_for_the_device():
     assert launch < 0.25, f"the launch took {launch:.2f} s: it waited for the device"
 
 
+def test_a_step_that_compiles_kernels_after_start_up_says_which(caplog):
+    """Variants that start-up did not launch make the device wait in the middle of serving: the
+    step says so, naming them, and its record holds the time. A forgotten launcher cache stands
+    in for variants never launched (Triton then loads each binary again)."""
+    from sparse_core.kernels import launcher
+
+    llm = LLM("dummy:smollm2-135m", sparsity=SPARSITY, device="cuda", max_model_len=1024,
+              kv_cache_memory_gb=0.5, enforce_eager=True)  # fmt: skip
+    engine = llm.engine
+    engine.step_records = []
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    engine.add_request("first", list(range(1, 301)), params)
+    while engine.has_unfinished:
+        engine.step()
+    launcher._binaries.clear()
+    seen = len(engine.step_records)
+    engine.add_request("second", list(range(2, 302)), params)
+    with caplog.at_level("WARNING", logger="sparse_core.engine.llm_engine"):
+        while engine.has_unfinished:
+            engine.step()
+    warnings = [r.getMessage() for r in caplog.records if "compile or load" in r.getMessage()]
+    assert warnings and "_rms_norm_kernel(" in warnings[0]
+    assert engine.step_records[seen].kernel_first_launch_seconds > 0
+
+
 def test_cuda_graphs_match_eager(monkeypatch):
     assert generate(monkeypatch, False, enforce_eager=False) == generate(
         monkeypatch, False, enforce_eager=True

@@ -108,18 +108,20 @@ def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="the interpreter bypasses the launcher's cache")
-def test_first_launches_of_a_variant_are_timed_and_later_ones_not():
-    """A step that loads or compiles a kernel variant shows it in its step record."""
-    from sparse_core.kernels import kernel_first_launch_seconds
+def test_first_launches_of_a_variant_are_listed_and_later_ones_not():
+    """A call that loads or compiles a kernel variant is listed, with its constexprs and host
+    time; the next call of the same variant is not."""
+    from sparse_core.kernels import kernel_first_launches
 
     x = torch.randn(2, 1000 + 3, device=DEVICE)  # a row length no other test launches
     weight = torch.ones(x.shape[1], device=DEVICE)
-    before = kernel_first_launch_seconds()
+    before = len(kernel_first_launches())
     tf.rms_norm(x, weight, 1e-5)
-    first = kernel_first_launch_seconds()
+    first = kernel_first_launches()[before:]
     tf.rms_norm(x, weight, 1e-5)
-    assert first > before
-    assert kernel_first_launch_seconds() == first
+    assert [launch.kernel for launch in first] == ["_rms_norm_kernel"]
+    assert first[0].seconds > 0 and "BLOCK" in str(first[0])
+    assert len(kernel_first_launches()) == before + 1
 
 
 def test_launcher_keys_tell_apart_what_triton_compiles_apart():

@@ -6,6 +6,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sparse_core.cache.block_manager import BlockManager
 from sparse_core.config import EngineConfig, SparsityConfig
@@ -19,13 +20,16 @@ from sparse_core.engine.output_processor import OutputProcessor
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.step_log import StepLog, StepRecord
-from sparse_core.kernels import kernel_first_launch_seconds
+from sparse_core.kernels import kernel_first_launches
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.models.prequantized import resolve_quantization
 from sparse_core.outputs import RequestOutput
 from sparse_core.sampling_params import SamplingParams
 from sparse_core.sequence import Sequence
 from sparse_core.transfers import PendingTokens
+
+if TYPE_CHECKING:
+    from sparse_core.kernels.launcher import FirstLaunch  # imports Triton
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +147,7 @@ class LLMEngine:
         self.async_scheduling = enabled and self.workers is None
         self._ahead: _Flight | None = None  # a step launched before the last one's tokens
         self._last_step_end = 0.0
+        self._started = False  # steps before it are the start-up's own
         if config.enable_prefix_caching and self.runner.device.type == "cuda":
             self._warm_up_prefix_hits()
         self.gpu_memory = PeakGpuMemoryMeter(self.runner.device)
@@ -157,6 +162,7 @@ class LLMEngine:
             self.retention.layers_per_block,
             [f"{g.name}:{len(g.layers)}" for g in self.plan.groups],
         )
+        self._started = True
 
     def _warm_up_prefix_hits(self) -> None:
         """A prompt twice, the second time from its cached blocks: the kernels of a prefill
@@ -289,16 +295,36 @@ class LLMEngine:
 
     def _launch(self, step: ScheduledStep) -> _Flight:
         wanted = [seq.samples_next_token for seq in step.seqs]
-        record, first_launches = None, 0.0
+        record = None
         if self.step_records is not None or self._step_log is not None:
-            record, first_launches = self._step_record(step), kernel_first_launch_seconds()
+            record = self._step_record(step)
+        seen = len(kernel_first_launches())
         start = time.monotonic()
         logits = self.runner.launch(step, self.block_manager)
         launched = time.monotonic()
-        if record is not None:
-            record.kernel_first_launch_seconds = kernel_first_launch_seconds() - first_launches
+        first_launches = kernel_first_launches()[seen:]
+        if first_launches:
+            self._report_first_launches(first_launches, record)
         tokens = self.runner.sample_tokens(step, logits, wanted)
         return _Flight(step, wanted, tokens, start, launched, record)
+
+    def _report_first_launches(
+        self, launches: list[FirstLaunch], record: StepRecord | None
+    ) -> None:
+        """Kernel variants this step had Triton compile or load: in its record, and once the
+        engine has started, in a warning, since the device waited for them (what the start-up
+        runs is meant to launch every variant serving needs)."""
+        seconds = sum(launch.seconds for launch in launches)
+        if record is not None:
+            record.kernel_first_launch_seconds = seconds
+        if self._started:
+            logger.warning(
+                "a step waited %.2f s for Triton to compile or load %d kernel variant(s) that "
+                "start-up did not launch: %s",
+                seconds,
+                len(launches),
+                "; ".join(map(str, launches)),
+            )
 
     def _step_record(self, step: ScheduledStep) -> StepRecord:
         """What the step runs, taken when it is launched (the next step launched ahead changes

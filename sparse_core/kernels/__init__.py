@@ -7,10 +7,14 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from sparse_core.kernels import reference
+
+if TYPE_CHECKING:
+    from sparse_core.kernels.launcher import FirstLaunch  # imports Triton
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,9 @@ def with_reference_kernels(ops: KernelOps, names: str) -> KernelOps:
     )
 
 
-def kernel_first_launch_seconds() -> float:
-    """Host seconds this process has spent in first launches of kernel variants (Triton
-    compiling them, or loading them from its cache); 0 while no Triton kernel has run."""
+def kernel_first_launches() -> list[FirstLaunch]:
+    """This process's first launches of kernel variants so far (`launcher.FirstLaunch`: Triton
+    compiling them, or loading them from its cache), oldest first; none while no Triton kernel
+    has run."""
     launcher = sys.modules.get("sparse_core.kernels.launcher")  # never imports Triton
-    return launcher.first_launch_seconds() if launcher is not None else 0.0
+    return launcher.first_launches() if launcher is not None else []

@@ -12,14 +12,15 @@ a new key goes through Triton, which compiles or finds the binary.
 Under the interpreter, with Triton's launch hooks set (its profiler), or if the launcher does not
 take the arguments this Triton version was seen to take, every call goes through Triton.
 
-The host time of calls with a new key (compiling a variant, or loading it from Triton's cache) is
-added up in `first_launch_seconds`: a step that pays it in the middle of serving stalls.
+Calls with a new key (compiling a variant, or loading it from Triton's cache) are listed in
+`first_launches` with their host time: a step that pays it in the middle of serving stalls.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,14 +30,29 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True)
+class FirstLaunch:
+    """A call that went through Triton for a new key: `kernel` with these constexprs and launch
+    options took `seconds` of host time to compile or load."""
+
+    kernel: str
+    options: tuple[tuple[str, Any], ...]
+    seconds: float
+
+    def __str__(self) -> str:
+        return f"{self.kernel}({', '.join(f'{k}={v}' for k, v in self.options)})"
+
+
 _binaries: dict[tuple, tuple[Any, tuple]] = {}
 _direct = True  # cleared if the compiled launcher rejects the call
-_first_launch_seconds = 0.0
+_first_launches: list[FirstLaunch] = []
 
 
-def first_launch_seconds() -> float:
-    """Host seconds spent so far in calls that had to go through Triton for a new key."""
-    return _first_launch_seconds
+def first_launches() -> list[FirstLaunch]:
+    """Every call so far in this process that went through Triton for a new key, oldest
+    first."""
+    return _first_launches
 
 
 def _arg_key(arg: object) -> object:
@@ -58,7 +74,7 @@ def _hooks_set() -> bool:
 def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: object) -> None:
     """`kernel[grid](*args, **kwargs)`, where kwargs are the kernel's constexprs (every parameter
     after the positional ones) and launch options (num_warps, num_stages)."""
-    global _direct, _first_launch_seconds
+    global _direct
     if not _direct or not isinstance(kernel, JITFunction) or _hooks_set():
         kernel[grid](*args, **kwargs)
         return
@@ -70,7 +86,7 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: 
         start = time.perf_counter()
         binary = kernel[grid](*args, **kwargs)
         seconds = time.perf_counter() - start
-        _first_launch_seconds += seconds
+        _first_launches.append(FirstLaunch(kernel.__name__, key[3], seconds))
         logger.debug("first launch of %s %s: %.3f s", kernel.__name__, key[2:], seconds)
         if binary is not None:  # None: a cache hook of Triton's took over the launch
             # The launcher takes every parameter in signature order, constexprs included.
