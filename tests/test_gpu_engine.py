@@ -157,7 +157,8 @@ def test_launching_a_prefill_step_does_not_wait_for_the_device():
 def test_a_step_that_compiles_kernels_after_start_up_says_which(caplog):
     """Variants that start-up did not launch make the device wait in the middle of serving: the
     step says so, naming them, and its record holds the time. A forgotten launcher cache stands
-    in for variants never launched (Triton then loads each binary again)."""
+    in for variants never launched: every kernel then goes through Triton's slow launch path,
+    as a new variant's first launch does."""
     from sparse_core.kernels import launcher
 
     llm = LLM("dummy:smollm2-135m", sparsity=SPARSITY, device="cuda", max_model_len=1024,
@@ -171,11 +172,12 @@ def test_a_step_that_compiles_kernels_after_start_up_says_which(caplog):
     launcher._binaries.clear()
     seen = len(engine.step_records)
     engine.add_request("second", list(range(2, 302)), params)
+    caplog.clear()  # the first request's own first launches (its decode kernels) came before
     with caplog.at_level("WARNING", logger="sparse_core.engine.llm_engine"):
         while engine.has_unfinished:
             engine.step()
     warnings = [r.getMessage() for r in caplog.records if "compile or load" in r.getMessage()]
-    assert warnings and "_rms_norm_kernel(" in warnings[0]
+    assert any("_rms_norm_kernel(" in warning for warning in warnings)
     assert engine.step_records[seen].kernel_first_launch_seconds > 0
 
 

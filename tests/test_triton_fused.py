@@ -46,11 +46,13 @@ def test_act_and_mul(dtype, rows, cols, activation):
 
 def assert_same_fp8(got, want):
     """Quantized activations (`FP8Rows`) equal but for values half-way between two e4m3
-    numbers, which the kernel's division may round the other way."""
+    numbers, which the kernel's division may round the other way (at most one in a thousand,
+    or one)."""
     assert got.dtype == want.dtype and got.values.shape == want.values.shape
     torch.testing.assert_close(got.scale, want.scale, rtol=1e-6, atol=0)
-    mismatched = (got.values.float() != want.values.float()).float().mean().item()
-    assert mismatched < 1e-3, f"{mismatched:.2%} of the e4m3 values differ"
+    mismatched = (got.values.float() != want.values.float()).sum().item()
+    allowed = max(1, got.values.numel() // 1000)  # a small tensor may hold one such value
+    assert mismatched <= allowed, f"{mismatched} of {got.values.numel()} e4m3 values differ"
 
 
 # Rows of one pass and of two (act_and_mul_fp8; on a GPU two past 16,384 columns).
@@ -111,17 +113,17 @@ def test_launches_with_aligned_then_misaligned_and_odd_sized_arguments(dtype):
 def test_first_launches_of_a_variant_are_listed_and_later_ones_not():
     """A call that loads or compiles a kernel variant is listed, with its constexprs and host
     time; the next call of the same variant is not."""
-    from sparse_core.kernels import kernel_first_launches
+    from sparse_core.kernels import kernel_first_launch_count, kernel_first_launches
 
     x = torch.randn(2, 1000 + 3, device=DEVICE)  # a row length no other test launches
     weight = torch.ones(x.shape[1], device=DEVICE)
-    before = len(kernel_first_launches())
+    before = kernel_first_launch_count()
     tf.rms_norm(x, weight, 1e-5)
-    first = kernel_first_launches()[before:]
+    first = kernel_first_launches(before)
     tf.rms_norm(x, weight, 1e-5)
     assert [launch.kernel for launch in first] == ["_rms_norm_kernel"]
-    assert first[0].seconds > 0 and "BLOCK" in str(first[0])
-    assert len(kernel_first_launches()) == before + 1
+    assert first[0].seconds > 0 and "BLOCK=1024" in str(first[0])
+    assert kernel_first_launch_count() == before + 1
 
 
 def test_launcher_keys_tell_apart_what_triton_compiles_apart():

@@ -386,7 +386,7 @@ LINEAR_SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672
                  "down": (14336, 4096)}  # fmt: skip
 
 
-# The routes of `fp8_linear_cuda`, as its few_rows_max for `rows` rows.
+# The routes of `fp8_linear_cuda`, as the few_rows_max that takes each for `rows` rows.
 FP8_LINEAR_ROUTES = {"row_wise": lambda rows: 0, "few_rows": lambda rows: rows}
 
 
@@ -400,9 +400,9 @@ def bench_fp8_linear(rows: int, copy_gbs: float) -> list[dict[str, Any]]:
         out = torch.empty(rows, n, device=DEVICE, dtype=DTYPE)
         row = {"layer": name, "rows": rows, "in": k, "out": n}
         want = None
-        for route, few_rows_max in FP8_LINEAR_ROUTES.items():
+        for route, few_rows_max_for in FP8_LINEAR_ROUTES.items():
             calls = [
-                functools.partial(triton_fp8.fp8_linear_cuda, x, w, s, out, few_rows_max(rows))
+                functools.partial(triton_fp8.fp8_linear_cuda, x, w, s, out, few_rows_max_for(rows))
                 for w, s in weights
             ]
             calls[0]()

@@ -20,7 +20,7 @@ from sparse_core.engine.output_processor import OutputProcessor
 from sparse_core.engine.request_checker import RequestChecker
 from sparse_core.engine.scheduler import ScheduledStep, Scheduler
 from sparse_core.engine.step_log import StepLog, StepRecord
-from sparse_core.kernels import kernel_first_launches
+from sparse_core.kernels import kernel_first_launch_count, kernel_first_launches
 from sparse_core.models.loader import ModelSource, load_model_source
 from sparse_core.models.prequantized import resolve_quantization
 from sparse_core.outputs import RequestOutput
@@ -298,13 +298,12 @@ class LLMEngine:
         record = None
         if self.step_records is not None or self._step_log is not None:
             record = self._step_record(step)
-        seen = len(kernel_first_launches())
+        seen = kernel_first_launch_count()
         start = time.monotonic()
         logits = self.runner.launch(step, self.block_manager)
         launched = time.monotonic()
-        first_launches = kernel_first_launches()[seen:]
-        if first_launches:
-            self._report_first_launches(first_launches, record)
+        if kernel_first_launch_count() > seen:
+            self._report_first_launches(kernel_first_launches(seen), record)
         tokens = self.runner.sample_tokens(step, logits, wanted)
         return _Flight(step, wanted, tokens, start, launched, record)
 

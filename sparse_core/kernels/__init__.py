@@ -126,9 +126,15 @@ def with_reference_kernels(ops: KernelOps, names: str) -> KernelOps:
     )
 
 
-def kernel_first_launches() -> list[FirstLaunch]:
-    """This process's first launches of kernel variants so far (`launcher.FirstLaunch`: Triton
-    compiling them, or loading them from its cache), oldest first; none while no Triton kernel
-    has run."""
+def kernel_first_launch_count() -> int:
+    """How many first launches of kernel variants this process has made (Triton compiling them,
+    or loading them from its cache); 0 while no Triton kernel has run."""
     launcher = sys.modules.get("sparse_core.kernels.launcher")  # never imports Triton
-    return launcher.first_launches() if launcher is not None else []
+    return launcher.first_launch_count() if launcher is not None else 0
+
+
+def kernel_first_launches(since: int) -> list[FirstLaunch]:
+    """This process's first launches of kernel variants (`launcher.FirstLaunch`), oldest first,
+    from the `since`-th on."""
+    launcher = sys.modules.get("sparse_core.kernels.launcher")
+    return launcher.first_launches(since) if launcher is not None else []

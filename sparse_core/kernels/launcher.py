@@ -34,14 +34,17 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class FirstLaunch:
     """A call that went through Triton for a new key: `kernel` with these constexprs and launch
-    options took `seconds` of host time to compile or load."""
+    options, and these specialisations of its other arguments (`_arg_key` of each), took
+    `seconds` of host time to compile or load."""
 
     kernel: str
     options: tuple[tuple[str, Any], ...]
+    arguments: tuple
     seconds: float
 
     def __str__(self) -> str:
-        return f"{self.kernel}({', '.join(f'{k}={v}' for k, v in self.options)})"
+        options = ", ".join(f"{name}={value}" for name, value in self.options)
+        return f"{self.kernel}({options}; arguments {self.arguments})"
 
 
 _binaries: dict[tuple, tuple[Any, tuple]] = {}
@@ -49,10 +52,15 @@ _direct = True  # cleared if the compiled launcher rejects the call
 _first_launches: list[FirstLaunch] = []
 
 
-def first_launches() -> list[FirstLaunch]:
-    """Every call so far in this process that went through Triton for a new key, oldest
-    first."""
-    return _first_launches
+def first_launches(since: int = 0) -> list[FirstLaunch]:
+    """The calls that went through Triton for a new key in this process, oldest first, from
+    the `since`-th on."""
+    return _first_launches[since:]
+
+
+def first_launch_count() -> int:
+    """How many calls went through Triton for a new key in this process so far."""
+    return len(_first_launches)
 
 
 def _arg_key(arg: object) -> object:
@@ -86,12 +94,12 @@ def launch(kernel: JITFunction, grid: tuple[int, ...], *args: object, **kwargs: 
         start = time.perf_counter()
         binary = kernel[grid](*args, **kwargs)
         seconds = time.perf_counter() - start
-        _first_launches.append(FirstLaunch(kernel.__name__, key[3], seconds))
-        logger.debug("first launch of %s %s: %.3f s", kernel.__name__, key[2:], seconds)
         if binary is not None:  # None: a cache hook of Triton's took over the launch
             # The launcher takes every parameter in signature order, constexprs included.
             constexprs = tuple(kwargs[name] for name in kernel.arg_names[len(args) :])
             _binaries[key] = (binary, constexprs)
+            _first_launches.append(FirstLaunch(kernel.__name__, key[3], key[2], seconds))
+            logger.debug("first launch of %s: %.3f s", _first_launches[-1], seconds)
         return
     binary, constexprs = cached
     grid_x, grid_y, grid_z = (*grid, 1, 1)[:3]

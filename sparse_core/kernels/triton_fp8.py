@@ -10,7 +10,8 @@ The matmul takes one of two routes to the same result, by the number of rows (to
 layer's width: the route that was fastest for each of a Llama-3-8B layer's projections, the same
 on the H100 and the H200 (docs/benchmarks.md, "Kernels and the decode roofline"):
 - up to `few_rows_limit` rows (decode steps): a Triton kernel streams the weights, each program
-  owning a slice of output channels and all the rows, so that every weight byte is read once.
+  owning a slice of output channels and up to 128 rows, so that every weight byte is read once
+  per 128 rows.
   The weight tile is the tensor cores' wide side and the rows the narrow one (the operands
   swapped, as CUTLASS does for small batches), and both scales are applied to the float32
   accumulator before its one rounding;
@@ -120,6 +121,9 @@ def _few_rows_matmul_kernel(
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=channel_ok[:, None] & row_ok[None, :])
 
 
+# Layers at least this wide (an MLP's gate and up) take the few-rows matmul's wide tiles.
+WIDE_LAYER_CHANNELS = 16384
+
 # Shared memory one program may take: 227 KB on data-centre GPUs (sm_90, sm_100), about 99 KB
 # on Ada (sm_89, the RTX 4090) and consumer Blackwell; less this much for the epilogue.
 _LARGE_SMEM, _SMALL_SMEM, _EPILOGUE_SMEM = 227 * 1024, 99 * 1024, 16 * 1024
@@ -143,7 +147,8 @@ def _few_rows_tiles(
     if device.type != "cuda":
         return 16, 16, 32, 4, 1
     block_m = max(16, min(128, triton.next_power_of_2(rows)))
-    block_n, block_k, most_stages = (128, 128, 4) if out_features >= 16384 else (64, 256, 6)
+    wide = out_features >= WIDE_LAYER_CHANNELS
+    block_n, block_k, most_stages = (128, 128, 4) if wide else (64, 256, 6)
     smem = (_LARGE_SMEM if has_large_shared_memory(device) else _SMALL_SMEM) - _EPILOGUE_SMEM
     stages = min(most_stages, smem // ((block_n + block_m) * block_k))  # one e4m3 byte each
     return block_n, block_m, block_k, 4, max(1, stages)
@@ -180,13 +185,15 @@ def few_rows_matmul(
     return out
 
 
-def few_rows_limit(out_features: int) -> int:
+def few_rows_limit(out_features: int, device: torch.device) -> int:
     """The most rows for which the few-rows matmul beats cuBLASLt's row-wise one in a layer of
     `out_features` channels: the wider the layer, the sooner cuBLASLt's tiles cover the SMs.
     The same on the H100 and the H200 at Llama-3-8B's projections (docs/benchmarks.md, "FP8
     linear layers at decode batch sizes"): o and down (4,096 channels) up to 256 rows, qkv
-    (6,144) up to 128, gate_up (28,672) up to 64."""
-    if out_features >= 16384:
+    (6,144) up to 128, gate_up (28,672) up to 64. GPUs with less shared memory (the RTX 4090)
+    keep 64 for every layer: above it the kernel's 128-row tiles leave them one stage in flight
+    (not measured)."""
+    if out_features >= WIDE_LAYER_CHANNELS or not has_large_shared_memory(device):
         return 64
     return 128 if out_features > 4096 else 256
 
@@ -209,17 +216,19 @@ def fp8_linear_cuda(
         x_fp8, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
         dtype, shape = x.dtype, x.shape
     num_rows, out_features = x_fp8.shape[0], weight.shape[0]
+    # cuBLASLt would write an output it cannot address into a copy of its own, silently.
+    assert out is None or (out.dtype == dtype and out.stride(1) == 1), "out: rows of dtype"
     if few_rows_max is None:
-        few_rows_max = few_rows_limit(out_features)
+        few_rows_max = few_rows_limit(out_features, x_fp8.device)
     if num_rows <= few_rows_max:
         target = out
         if target is None:
             target = torch.empty(num_rows, out_features, dtype=dtype, device=x_fp8.device)
         few_rows_matmul(x_fp8, x_scale, weight, weight_scale, target)
         return target if out is not None else target.reshape(*shape[:-1], out_features)
-    scales = dict(scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype)
     # weight.t(): (in, out), column-major as cuBLASLt wants the second operand.
-    if out is not None:
-        return torch._scaled_mm(x_fp8, weight.t(), **scales, use_fast_accum=True, out=out)
-    y = torch._scaled_mm(x_fp8, weight.t(), **scales, use_fast_accum=True)
-    return y.reshape(*shape[:-1], out_features)
+    y = torch._scaled_mm(
+        x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=dtype,
+        use_fast_accum=True, out=out,
+    )  # fmt: skip
+    return y if out is not None else y.reshape(*shape[:-1], out_features)
