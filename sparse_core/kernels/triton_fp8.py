@@ -11,10 +11,9 @@ layer's width: the route that was fastest for each of a Llama-3-8B layer's proje
 on the H100 and the H200 (docs/benchmarks.md, "Kernels and the decode roofline"):
 - up to `few_rows_limit` rows (decode steps): a Triton kernel streams the weights, each program
   owning a slice of output channels and up to 128 rows, so that every weight byte is read once
-  per 128 rows.
-  The weight tile is the tensor cores' wide side and the rows the narrow one (the operands
-  swapped, as CUTLASS does for small batches), and both scales are applied to the float32
-  accumulator before its one rounding;
+  per 128 rows. The weight tile is the tensor cores' wide side and the rows the narrow one (the
+  operands swapped, as CUTLASS does for small batches), and both scales are applied to the
+  float32 accumulator before its one rounding;
 - more rows (prompts): `torch._scaled_mm` (cuBLASLt) with row-wise scales (one per token, one
   per output channel) and fast accumulation, written straight into the caller's rows. Fast
   accumulation keeps the tensor cores' own accumulator instead of promoting partial sums to
